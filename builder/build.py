@@ -1,0 +1,158 @@
+"""The build pipeline: checkpoint -> ModelSpec + weight plan -> engine directory.
+
+Streaming: each engine tensor is read from the checkpoint, converted and written before
+the next is touched, so peak memory is about one (fused) tensor whatever the model size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import precast
+from precast.builder.architectures import find_architecture
+from precast.builder.checkpoint import Checkpoint, open_checkpoint
+from precast.builder.engine import (
+    ENGINE_DTYPES,
+    TARGETS,
+    WEIGHTS_FILE,
+    EngineConfig,
+    atomic_directory,
+    fsync_tree,
+    numpy_dtype,
+    write_json,
+)
+from precast.builder.limits import resolve_limits
+from precast.builder.safetensors_file import SafetensorsWriter
+from precast.builder.weights import PlannedTensor, plan_weights
+from precast.errors import PrecastError
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    checkpoint: Path
+    output: Path
+    dtype: str | None = None  # None: the rule in default_dtype()
+    max_batch_size: int | None = None
+    max_seq_len: int | None = None
+    max_num_tokens: int | None = None
+    tokens_per_block: int | None = None
+    targets: tuple[str, ...] = ("cpu",)
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    path: Path
+    config: EngineConfig
+    seconds: float
+    weight_bytes: int
+
+
+def default_dtype(checkpoint: Checkpoint) -> str:
+    """The source's own precision when it is one an engine can store; float32 for GGUF
+    (dequantized GGUF blocks are exact in float32, not in the 16-bit types)."""
+    if checkpoint.format == "gguf":
+        return "float32"
+    declared = checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype")
+    return declared if declared in ENGINE_DTYPES else "float32"
+
+
+def build_engine(opts: BuildOptions) -> BuildResult:
+    start = time.perf_counter()
+    unknown_targets = [t for t in opts.targets if t not in TARGETS]
+    if unknown_targets:
+        raise PrecastError(f"unknown --target {', '.join(unknown_targets)}; available: {', '.join(TARGETS)}")
+    if opts.dtype is not None and opts.dtype not in ENGINE_DTYPES:
+        raise PrecastError(f"--dtype {opts.dtype!r} is not supported; choose from {', '.join(ENGINE_DTYPES)}")
+    if opts.output.exists() and not opts.force:  # checked early: fail before minutes of work
+        raise PrecastError(f"{opts.output} already exists; choose another --output or pass --force to replace it")
+
+    checkpoint = open_checkpoint(opts.checkpoint)
+    arch = find_architecture(checkpoint.config)
+    spec = arch.to_spec(checkpoint.config)
+    limits = resolve_limits(spec, opts.max_batch_size, opts.max_seq_len, opts.max_num_tokens, opts.tokens_per_block)
+    plan = plan_weights(spec, arch, checkpoint)
+    dtype = opts.dtype or default_dtype(checkpoint)
+    tokenizer = checkpoint.tokenizer()
+
+    config = EngineConfig(
+        model=spec,
+        dtype=dtype,
+        limits=limits,
+        targets={t: {} for t in opts.targets},
+        tokenizer=None
+        if tokenizer is None
+        else {
+            "files": sorted(tokenizer.files),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_ids": tokenizer.eos_token_ids,
+            "pad_token_id": tokenizer.pad_token_id,
+            "chat_template": tokenizer.chat_template,
+        },
+        generation=_generation_defaults(checkpoint),
+        provenance={
+            "source": str(Path(opts.checkpoint).resolve()),
+            "source_format": checkpoint.format,
+            "source_sha256": checkpoint.digest(),
+            "precast_version": precast.__version__,
+            "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        },
+    )
+    expected = config.expected_tensors()
+    layout = [(t.name, _storage_dtype(expected[t.name][1]), t.shape) for t in plan]
+    total_bytes = sum(math.prod(shape) * np.dtype(dt).itemsize for _, dt, shape in layout)
+
+    with atomic_directory(opts.output, opts.force) as tmp:
+        with open(tmp / WEIGHTS_FILE, "wb") as f, tqdm(
+            total=total_bytes, unit="B", unit_scale=True, desc="precast build", disable=not opts.progress
+        ) as bar:
+            writer = SafetensorsWriter(f, layout, metadata={"format": "precast"})
+            for tensor, (_, target, _) in zip(plan, layout):
+                array = _convert(_read_fused(checkpoint, tensor), target, tensor.name)
+                writer.write(tensor.name, array)
+                bar.update(array.nbytes)
+            writer.finish()
+        if tokenizer is not None:
+            for name, content in tokenizer.files.items():
+                (tmp / name).write_bytes(content)
+        write_json(tmp / "config.json", config.to_dict())
+        fsync_tree(tmp)
+    return BuildResult(opts.output, config, time.perf_counter() - start, total_bytes)
+
+
+def _storage_dtype(safetensors_name: str) -> np.dtype:
+    return {"F32": numpy_dtype("float32"), "BF16": numpy_dtype("bfloat16"), "F16": numpy_dtype("float16")}[safetensors_name]
+
+
+def _read_fused(checkpoint: Checkpoint, tensor: PlannedTensor) -> np.ndarray:
+    parts = [checkpoint.read(s) for s in tensor.sources]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+_FLOAT_SOURCES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), numpy_dtype("bfloat16"))
+
+
+def _convert(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
+    """Cast to the engine dtype (round to nearest even), refusing NaN/Inf in or out."""
+    if array.dtype not in _FLOAT_SOURCES:
+        raise PrecastError(f"tensor for {name} has dtype {array.dtype}; only floating-point weights can be built")
+    if not np.isfinite(array).all():
+        raise PrecastError(f"tensor for {name} contains NaN or Inf in the checkpoint; the checkpoint is damaged")
+    out = array.astype(target, copy=False)
+    if target == np.float16 and not np.isfinite(out).all():
+        raise PrecastError(f"tensor for {name} has values beyond float16's range (65504); build with --dtype bfloat16 or float32")
+    return out
+
+
+def _generation_defaults(checkpoint: Checkpoint) -> dict[str, object]:
+    keep = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+    gen = checkpoint.generation_config()
+    return {k: gen[k] for k in keep if gen.get(k) is not None}

@@ -1,0 +1,208 @@
+"""GGUF files (llama.cpp's format) read as if they were Hugging Face checkpoints.
+
+Three translations make a GGUF look like the HF checkpoint it came from:
+- metadata keys (`llama.block_count`, ...) become an HF config dict;
+- tensor names (`blk.3.attn_q.weight`) become HF names, through a table with a strict
+  leftover check, and each tensor is dequantized on request (the `gguf` package's numpy
+  kernels: Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16, F32 and more);
+- llama.cpp's converter reorders the rows of Q and K for the `llama` architecture (it
+  interleaves the two halves of each head for its rotary kernel); that is undone here.
+The tokenizer is rebuilt by `gguf_tokenizer.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from precast.builder.checkpoint.base import Checkpoint, TokenizerFiles
+from precast.errors import PrecastError
+
+# GGUF architecture name -> the HF model_type and class it corresponds to.
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# Architectures whose GGUF conversion permuted the rows of Q and K (llama.cpp's `llama` rotary layout).
+_PERMUTED_QK = {"llama", "mistral"}
+
+# `{arch}.` metadata key -> HF config key.
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+# GGUF tensor name -> HF tensor name. `{i}` is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's Q/K row permutation.
+
+    Per head, HF keeps rows as [first half | second half] of the rotary pairs; llama.cpp
+    stores them interleaved. Viewing the rows as (head, 2, half) in HF order means the
+    GGUF order is (head, half, 2); swapping those two axes back restores HF order.
+    """
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint(Checkpoint):
+    format = "gguf"
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader  # imported here: only GGUF builds need it
+
+        self.path = path
+        try:
+            self._reader = GGUFReader(path)
+        except Exception as e:  # the gguf package raises ValueError/struct.error/OSError on bad files
+            raise PrecastError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); is it truncated or corrupt?") from e
+        self.metadata: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except Exception as e:
+                raise PrecastError(f"{path}: metadata key {key!r} cannot be decoded ({e}); the file may be corrupt") from e
+        arch = self.metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise PrecastError(
+                f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+        self.gguf_architecture: str = arch
+        gguf_names = [t.name for t in self._reader.tensors]
+        if "rope_freqs.weight" in gguf_names:
+            raise PrecastError(
+                f"{path}: this GGUF stores precomputed RoPE frequency factors (rope_freqs.weight, llama.cpp's form of "
+                "llama3 RoPE scaling), which precast cannot map back to a scaling type; build from the HF checkpoint instead"
+            )
+        unknown = [n for n in gguf_names if _hf_name(n) is None]
+        if unknown:
+            raise PrecastError(f"{path}: tensors precast does not know how to map: {', '.join(unknown[:10])}")
+        self._tensors = {_hf_name(t.name): t for t in self._reader.tensors}
+        self.config = self._hf_config(set(gguf_names))
+
+    def _hf_config(self, gguf_names: set[str]) -> dict[str, Any]:
+        arch = self.gguf_architecture
+        model_type, class_name = GGUF_ARCHITECTURES[arch]
+        config: dict[str, Any] = {"model_type": model_type, "architectures": [class_name], "hidden_act": "silu"}
+        for key, hf_key in _CONFIG_KEYS.items():
+            if f"{arch}.{key}" in self.metadata:
+                config[hf_key] = self.metadata[f"{arch}.{key}"]
+        for required in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if required not in config:
+                raise PrecastError(f"{self.path}: GGUF metadata lacks {arch}.{required}; the file is incomplete")
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        if "vocab_size" not in config:
+            embedding = next((t for t in self._reader.tensors if t.name == "token_embd.weight"), None)
+            if embedding is None:
+                raise PrecastError(f"{self.path}: GGUF has neither {arch}.vocab_size nor token_embd.weight")
+            config["vocab_size"] = int(embedding.shape[-1])
+        if "head_dim" not in config and f"{arch}.rope.dimension_count" in self.metadata and arch in _PERMUTED_QK:
+            config["head_dim"] = self.metadata[f"{arch}.rope.dimension_count"]
+        scaling = self.metadata.get(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            rope: dict[str, Any] = {"rope_type": scaling, "factor": self.metadata.get(f"{arch}.rope.scaling.factor")}
+            if f"{arch}.rope.scaling.original_context_length" in self.metadata:
+                rope["original_max_position_embeddings"] = self.metadata[f"{arch}.rope.scaling.original_context_length"]
+            config["rope_scaling"] = rope
+        if "sliding_window" in config and model_type in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = True
+        config["tie_word_embeddings"] = "output.weight" not in gguf_names
+        config["bos_token_id"] = self.metadata.get("tokenizer.ggml.bos_token_id")
+        config["eos_token_id"] = self.metadata.get("tokenizer.ggml.eos_token_id")
+        return config
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims fastest first
+
+    def tensor_dtype(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def read(self, name: str) -> np.ndarray:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        shape = self.tensor_shape(name)
+        try:
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                w = np.array(t.data, copy=True)
+            else:
+                w = dequantize(np.asarray(t.data), t.tensor_type)
+            w = w.reshape(shape)
+        except NotImplementedError as e:
+            raise PrecastError(f"{self.path}: tensor {t.name} uses {t.tensor_type.name}, which cannot be dequantized ({e})") from e
+        except ValueError as e:
+            raise PrecastError(f"{self.path}: tensor {t.name} data does not match its shape {list(shape)}; the file may be corrupt") from e
+        if self.gguf_architecture in _PERMUTED_QK:
+            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+                w = _unpermute_rows(w, self.config["num_attention_heads"])
+            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+                w = _unpermute_rows(w, self.config["num_key_value_heads"])
+        return w
+
+    def tokenizer(self) -> TokenizerFiles | None:
+        from precast.builder.checkpoint.gguf_tokenizer import tokenizer_from_gguf
+
+        if "tokenizer.ggml.model" not in self.metadata:
+            return None
+        return tokenizer_from_gguf(self.metadata, str(self.path))
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        return h.hexdigest()

@@ -1,0 +1,188 @@
+"""The engine directory, format v1 (docs/engine-format.md): writing it atomically, loading it with checks.
+
+    ENGINE/
+      config.json          format, version, model (ModelSpec), dtype, quant, limits, targets,
+                           tokenizer, generation defaults, provenance
+      weights.safetensors  canonical tensor names (builder/weights.py)
+      tokenizer.json ...   the tokenizer files, when the checkpoint had a tokenizer
+
+An engine is written into a temporary sibling directory and renamed into place only when
+complete, so a failed or interrupted build never leaves a half-written engine behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from precast.builder.limits import BuildLimits
+from precast.builder.safetensors_file import DTYPES, SafetensorsFile
+from precast.builder.spec import ModelSpec
+from precast.builder.weights import engine_tensor_shapes
+from precast.errors import PrecastError
+
+ENGINE_FORMAT = "precast-engine"
+ENGINE_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "weights.safetensors"
+TARGETS = ("cpu",)
+
+# Engine dtypes: the --dtype name, its numpy type and its safetensors name.
+ENGINE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return DTYPES[ENGINE_DTYPES[name]]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSpec
+    dtype: str  # storage dtype of the matrices; 1-D tensors (norms, biases) are always float32
+    limits: BuildLimits
+    targets: dict[str, dict[str, Any]]
+    tokenizer: dict[str, Any] | None  # ids and file names; None: token ids in, token ids out
+    provenance: dict[str, Any]
+    generation: dict[str, Any] = field(default_factory=dict)  # sampling defaults from generation_config.json
+    quant: dict[str, Any] = field(default_factory=lambda: {"recipe": "none"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": ENGINE_FORMAT,
+            "version": ENGINE_VERSION,
+            "model": self.model.to_dict(),
+            "dtype": self.dtype,
+            "quant": self.quant,
+            "limits": self.limits.to_dict(),
+            "targets": self.targets,
+            "tokenizer": self.tokenizer,
+            "generation": self.generation,
+            "provenance": self.provenance,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> EngineConfig:
+        if data.get("format") != ENGINE_FORMAT:
+            raise PrecastError(f"{where} is not a precast engine config (format {data.get('format')!r})")
+        version = data.get("version")
+        if not isinstance(version, int) or version > ENGINE_VERSION:
+            raise PrecastError(
+                f"{where} is engine format version {version}, newer than this precast reads (version {ENGINE_VERSION}); "
+                "upgrade precast, or rebuild the engine with this version's `precast build`"
+            )
+        if version < ENGINE_VERSION:
+            raise PrecastError(f"{where} is engine format version {version}, no longer supported; rebuild it with `precast build`")
+        try:
+            config = cls(
+                model=ModelSpec.from_dict(data["model"]),
+                dtype=data["dtype"],
+                quant=data["quant"],
+                limits=BuildLimits(**data["limits"]),
+                targets=data["targets"],
+                tokenizer=data["tokenizer"],
+                generation=data.get("generation", {}),
+                provenance=data["provenance"],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PrecastError(f"{where} is damaged or incomplete ({type(e).__name__}: {e}); rebuild the engine") from e
+        if config.dtype not in ENGINE_DTYPES:
+            raise PrecastError(f"{where}: unknown engine dtype {config.dtype!r}")
+        if config.quant.get("recipe") != "none":
+            raise PrecastError(f"{where}: quantization recipe {config.quant.get('recipe')!r} is not supported by this precast")
+        return config
+
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Canonical name -> (shape, safetensors dtype) that weights.safetensors must hold."""
+        matrix = ENGINE_DTYPES[self.dtype]
+        return {n: (s, "F32" if len(s) == 1 else matrix) for n, s in engine_tensor_shapes(self.model).items()}
+
+
+@dataclass
+class Engine:
+    """A loaded and checked engine directory. Weights stay on disk until read."""
+
+    path: Path
+    config: EngineConfig
+    weights: SafetensorsFile
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return self.path / "tokenizer.json" if self.config.tokenizer else None
+
+
+def load_engine(path: str | os.PathLike) -> Engine:
+    """Open an engine directory and check format, version and that weights match the config."""
+    p = Path(path)
+    if not p.is_dir():
+        raise PrecastError(f"engine directory {p} does not exist; build one with `precast build --checkpoint ... --output {p}`")
+    config_path = p / CONFIG_FILE
+    if not config_path.is_file():
+        raise PrecastError(f"{p} has no {CONFIG_FILE}: not a precast engine directory")
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PrecastError(f"{config_path} is not valid JSON ({e}); rebuild the engine") from e
+    config = EngineConfig.from_dict(data, str(config_path))
+    if not (p / WEIGHTS_FILE).is_file():
+        raise PrecastError(f"{p} has no {WEIGHTS_FILE}; the engine is incomplete, rebuild it")
+    weights = SafetensorsFile(p / WEIGHTS_FILE)
+    expected = config.expected_tensors()
+    problems = [f"missing {n}" for n in expected if n not in weights.tensors]
+    problems += [f"unexpected {n}" for n in weights.tensors if n not in expected]
+    for name, (shape, dtype) in expected.items():
+        info = weights.tensors.get(name)
+        if info is not None and (info.shape != shape or info.dtype != dtype):
+            problems.append(f"{name} is {info.dtype}{list(info.shape)}, config says {dtype}{list(shape)}")
+    if config.tokenizer:
+        problems += [f"missing tokenizer file {f}" for f in config.tokenizer.get("files", []) if not (p / f).is_file()]
+    if problems:
+        raise PrecastError(f"engine {p} is inconsistent with its config: " + "; ".join(problems[:10]) + "; rebuild it")
+    return Engine(p, config, weights)
+
+
+@contextmanager
+def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary directory beside `output`; on success it replaces `output`, on failure it is removed.
+
+    With force, an existing `output` is moved aside first and deleted only after the new
+    directory is in place, so at every moment one complete engine (old or new) exists.
+    """
+    if output.exists() and not force:
+        raise PrecastError(f"{output} already exists; choose another --output or pass --force to replace it")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-", dir=output.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; an engine is an ordinary directory
+    try:
+        yield tmp
+        old = None
+        if output.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            os.rename(output, old / "engine")
+        os.rename(tmp, output)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file so the rename publishes data that is really on disk."""
+    for file in path.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+

@@ -1,0 +1,86 @@
+"""`precast inspect`: what an engine is, without loading its weights."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from precast.builder.engine import Engine
+from precast.builder.safetensors_file import DTYPES
+
+_READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3", "U8": "uint8"}
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    raise AssertionError
+
+
+def engine_summary(engine: Engine) -> dict[str, object]:
+    """The facts `inspect` prints, as data (also used by tests and `--json`)."""
+    cfg = engine.config
+    params = sum(math.prod(t.shape) for t in engine.weights.tensors.values())
+    by_dtype: Counter[str] = Counter()
+    params_by_dtype: Counter[str] = Counter()
+    for t in engine.weights.tensors.values():
+        by_dtype[_READABLE.get(t.dtype, t.dtype)] += t.nbytes
+        params_by_dtype[_READABLE.get(t.dtype, t.dtype)] += t.nbytes // DTYPES[t.dtype].itemsize
+    spec = cfg.model
+    return {
+        "path": str(engine.path),
+        "architecture": spec.architecture,
+        "parameters": params,
+        "bytes_by_dtype": dict(by_dtype),
+        "parameters_by_dtype": dict(params_by_dtype),
+        "model": spec.to_dict(),
+        "dtype": cfg.dtype,
+        "quant": cfg.quant,
+        "limits": cfg.limits.to_dict(),
+        "targets": sorted(cfg.targets),
+        "tokenizer": None if cfg.tokenizer is None else {k: v for k, v in cfg.tokenizer.items() if k != "chat_template"}
+        | {"chat_template": cfg.tokenizer.get("chat_template") is not None},
+        "provenance": cfg.provenance,
+    }
+
+
+def format_summary(s: dict[str, object]) -> str:
+    m = s["model"]
+    assert isinstance(m, dict)
+    rope = m["rope_scaling"]["rope_type"] if m["rope_scaling"] else "default"
+    window = f"{m['sliding_window']} tokens on {len(m['sliding_window_layers'])} layers" if m["sliding_window"] else "none"
+    lines = [
+        f"engine         {s['path']}",
+        f"architecture   {s['architecture']}",
+        f"parameters     {s['parameters']:,}",
+        f"shape          {m['num_layers']} layers, hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, "
+        f"vocab {m['vocab_size']}",
+        f"attention      {m['num_heads']} heads, {m['num_kv_heads']} kv heads, head_dim {m['head_dim']}, "
+        f"qkv bias {m['qkv_bias']}, qk-norm {m['qk_norm']}, sliding window {window}",
+        f"rope           theta {m['rope_theta']:g}, scaling {rope}, context {m['max_position_embeddings']}",
+        f"tied embedding {m['tie_word_embeddings']}",
+        f"dtype          {s['dtype']} (quant: {s['quant']['recipe']})",  # type: ignore[index]
+        "weights        "
+        + ", ".join(
+            f"{dt}: {_size(b)} ({s['parameters_by_dtype'][dt]:,} params)"  # type: ignore[index]
+            for dt, b in sorted(s["bytes_by_dtype"].items())  # type: ignore[union-attr]
+        ),
+        "limits         " + ", ".join(f"{k} {v}" for k, v in s["limits"].items()),  # type: ignore[union-attr]
+        f"targets        {', '.join(s['targets'])}",  # type: ignore[arg-type]
+    ]
+    tok = s["tokenizer"]
+    if tok is None:
+        lines.append("tokenizer      none (token ids in and out)")
+    else:
+        assert isinstance(tok, dict)
+        lines.append(
+            f"tokenizer      {', '.join(tok['files'])}; bos {tok['bos_token_id']}, eos {tok['eos_token_ids']}, "
+            f"chat template {'yes' if tok['chat_template'] else 'no'}"
+        )
+    prov = s["provenance"]
+    assert isinstance(prov, dict)
+    lines.append(f"source         {prov['source']} ({prov['source_format']}, sha256 {prov['source_sha256'][:16]}...)")
+    lines.append(f"built          {prov['built_at']} by precast {prov['precast_version']}")
+    return "\n".join(lines)

@@ -1,0 +1,5 @@
+import sys
+
+from precast.cli import main
+
+sys.exit(main())

@@ -1,0 +1,85 @@
+"""The `precast` command line: `precast build`, `precast inspect`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from precast.errors import PrecastError
+
+
+def _build(args: argparse.Namespace) -> None:
+    from precast.builder.build import BuildOptions, build_engine
+
+    targets = ("cpu",) if args.target == "all" else (args.target,)
+    result = build_engine(
+        BuildOptions(
+            checkpoint=Path(args.checkpoint),
+            output=Path(args.output),
+            dtype=args.dtype,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            max_num_tokens=args.max_num_tokens,
+            tokens_per_block=args.tokens_per_block,
+            targets=targets,
+            force=args.force,
+            progress=not args.quiet,
+        )
+    )
+    spec, limits = result.config.model, result.config.limits
+    print(
+        f"built {result.path}: {spec.architecture}, {spec.num_parameters():,} parameters, {result.config.dtype}, "
+        f"{result.weight_bytes / 2**20:.1f} MiB of weights in {result.seconds:.1f} s; "
+        f"limits: batch {limits.max_batch_size}, seq {limits.max_seq_len}, tokens/step {limits.max_num_tokens}"
+    )
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    from precast.builder.engine import load_engine
+    from precast.builder.inspect import engine_summary, format_summary
+
+    summary = engine_summary(load_engine(args.engine))
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="precast", description="Build and run quantized LLM engines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build an engine directory from an HF checkpoint directory or a .gguf file")
+    b.add_argument("--checkpoint", required=True, help="HF checkpoint directory (config.json + safetensors) or .gguf file")
+    b.add_argument("--output", required=True, help="engine directory to create")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: the source's)")
+    b.add_argument("--max-batch-size", type=int, help="most requests in one step (default 64)")
+    b.add_argument("--max-seq-len", type=int, help="longest prompt + output (default: context length, at most 4096)")
+    b.add_argument("--max-num-tokens", type=int, help="most tokens in one step (default: max-seq-len, at most 2048)")
+    b.add_argument("--tokens-per-block", type=int, help="KV cache block size in tokens (default 32)")
+    b.add_argument("--target", default="cpu", choices=["cpu", "all"], help="what to build for (default cpu)")
+    b.add_argument("--force", action="store_true", help="replace --output if it exists")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_build)
+
+    i = sub.add_parser("inspect", help="describe an engine directory")
+    i.add_argument("engine", help="engine directory")
+    i.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    i.set_defaults(func=_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except PrecastError as e:
+        print(f"precast {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"precast {args.command}: interrupted; nothing was left half-written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

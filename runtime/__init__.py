@@ -1,0 +1,1 @@
+"""precast.runtime: loads engine directories and runs them."""
