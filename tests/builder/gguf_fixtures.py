@@ -1,0 +1,87 @@
+"""Writing small GGUF files with chosen quantization types, for reader tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# f16 scale fields inside each block (byte offsets), per type; the rest of a block is
+# quantized payload, where any byte pattern is valid.
+_SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_quantized(qtype_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid raw blocks of `qtype_name` for a [rows, cols] matrix, as uint8 [rows, bytes]."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    assert cols % block_elems == 0
+    blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[qtype_name]:
+        scales = rng.uniform(-0.05, 0.05, size=(rows, cols // block_elems)).astype(np.float16)
+        blocks[:, :, off : off + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_tiny_llama_gguf(path: Path, types: dict[str, str], seed: int = 0, tied: bool = False) -> None:
+    """A 2-layer llama GGUF (hidden 256, 4 heads, 2 kv heads, head_dim 64, vocab 256, ffn 512)
+    whose tensors use the given types (by GGUF name suffix; default F32), with a byte-level
+    tokenizer of 256 single-character tokens."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    hidden, heads, kv_heads, ffn, vocab, layers = 256, 4, 2, 512, 256, 2
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    from precast.builder.checkpoint.gguf_tokenizer import _bytes_to_unicode
+
+    letters = list(_bytes_to_unicode().values())
+    w.add_token_list(letters)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not tied:
+        shapes["output.weight"] = (vocab, hidden)
+    for i in range(layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+            f"blk.{i}.attn_q.weight": (heads * head_dim, hidden), f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+            f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, ffn),
+        })
+    for name, shape in shapes.items():
+        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        qtype = types.get(suffix, "F32") if len(shape) == 2 else "F32"
+        if qtype == "F32":
+            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        elif qtype == "F16":
+            w.add_tensor(name, rng.standard_normal(shape).astype(np.float16))
+        elif qtype == "BF16":
+            bits = (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            w.add_tensor(name, bits.view(np.uint8).reshape(shape[0], -1),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            raw = random_quantized(qtype, *shape, rng)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

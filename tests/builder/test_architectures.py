@@ -1,0 +1,121 @@
+"""Tiny random checkpoints of every supported architecture: spec, weights, rope, reload."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from precast.builder.architectures import find_architecture
+from precast.builder.build import BuildOptions, build_engine
+from precast.builder.engine import load_engine
+from precast.builder.rope import rope_parameters
+from precast.builder.spec import ModelSpec
+from tests.conftest import TINY_CONFIGS
+
+# Canonical engine tensor -> HF tensors it is made of (concatenated along dim 0).
+HF_PARTS = {
+    "attn_norm.weight": ["input_layernorm.weight"],
+    "attn.qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "attn.qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "attn.q_norm.weight": ["self_attn.q_norm.weight"],
+    "attn.k_norm.weight": ["self_attn.k_norm.weight"],
+    "attn.o.weight": ["self_attn.o_proj.weight"],
+    "mlp_norm.weight": ["post_attention_layernorm.weight"],
+    "mlp.gate_up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.down.weight": ["mlp.down_proj.weight"],
+}
+GLOBAL_PARTS = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def hf_reference(state: dict[str, torch.Tensor], name: str) -> np.ndarray:
+    if name in GLOBAL_PARTS:
+        return state[GLOBAL_PARTS[name]].numpy()
+    _, layer, rest = name.split(".", 2)
+    return np.concatenate([state[f"model.layers.{layer}.{p}"].numpy() for p in HF_PARTS[rest]], axis=0)
+
+
+EXPECTED_FEATURES = {
+    "llama": dict(qkv_bias=False, qk_norm=False, sliding_window=None, tie_word_embeddings=False, num_kv_heads=2, rope="linear"),
+    "llama3": dict(qkv_bias=False, qk_norm=False, sliding_window=None, tie_word_embeddings=True, num_kv_heads=1, rope="llama3"),
+    "mistral": dict(qkv_bias=False, qk_norm=False, sliding_window=16, tie_word_embeddings=False, num_kv_heads=2, rope=None),
+    "qwen2": dict(qkv_bias=True, qk_norm=False, sliding_window=8, tie_word_embeddings=True, num_kv_heads=2, rope="yarn"),
+    "qwen3": dict(qkv_bias=False, qk_norm=True, sliding_window=None, tie_word_embeddings=False, num_kv_heads=2, rope="yarn"),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_build_and_reload_fp32(name, tiny_checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tiny_checkpoints[name]
+    result = build_engine(BuildOptions(ckpt, tmp_path / "engine", progress=False))
+    engine = load_engine(tmp_path / "engine")
+    spec = engine.config.model
+    assert engine.config == result.config
+    want = EXPECTED_FEATURES[name]
+    assert spec.qkv_bias == want["qkv_bias"] and spec.qk_norm == want["qk_norm"]
+    assert spec.sliding_window == want["sliding_window"]
+    assert spec.tie_word_embeddings == want["tie_word_embeddings"] and spec.num_kv_heads == want["num_kv_heads"]
+    assert (spec.rope_scaling.rope_type if spec.rope_scaling else None) == want["rope"]
+    assert engine.config.dtype == "float32"
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    state = model.state_dict()
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
+    for tensor_name in engine.weights.tensors:
+        np.testing.assert_array_equal(engine.weights.read(tensor_name), hf_reference(state, tensor_name), err_msg=tensor_name)
+    # The engine's RoPE frequencies are the ones transformers uses.
+    inv_freq, attention_factor = rope_parameters(spec)
+    np.testing.assert_allclose(inv_freq, model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6)
+    assert attention_factor == pytest.approx(model.model.rotary_emb.attention_scaling)
+    # Sliding-window layers are the ones transformers applies the window to.
+    layer_types = getattr(model.config, "layer_types", None)
+    if layer_types is not None:
+        assert spec.sliding_window_layers == tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_half_precision_rounds_like_torch(dtype, torch_dtype, tiny_checkpoints, tmp_path):
+    ckpt = tiny_checkpoints["qwen2"]
+    build_engine(BuildOptions(ckpt, tmp_path / "e", dtype=dtype, progress=False))
+    engine = load_engine(tmp_path / "e")
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
+    for name, info in engine.weights.tensors.items():
+        ref = torch.from_numpy(hf_reference(state, name))
+        got = engine.weights.read(name)
+        if len(info.shape) == 1:  # norms and biases stay float32
+            assert info.dtype == "F32"
+            np.testing.assert_array_equal(got, ref.numpy())
+        else:
+            assert got.dtype.itemsize == 2
+            np.testing.assert_array_equal(got.astype(np.float32), ref.to(torch_dtype).float().numpy(), err_msg=name)
+
+
+def test_spec_round_trips_through_dict(tiny_checkpoints):
+    import json
+
+    for ckpt in tiny_checkpoints.values():
+        config = json.loads((ckpt / "config.json").read_text())
+        spec = find_architecture(config).to_spec(config)
+        assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_old_style_rope_config_reads_the_same():
+    """Configs written before transformers 5 use rope_theta + rope_scaling{type: ...}."""
+    old = dict(TINY_CONFIGS["llama3"][1], architectures=["LlamaForCausalLM"], hidden_act="silu")
+    params = old.pop("rope_parameters")
+    old["rope_theta"] = params.pop("rope_theta")
+    new = dict(old, rope_parameters=dict(params, rope_theta=old["rope_theta"]))
+    old["rope_scaling"] = dict(params, type=params.pop("rope_type"))
+    arch = find_architecture(old)
+    assert arch.to_spec(old) == arch.to_spec(new)
+
+
+def test_qwen2_without_use_sliding_window_ignores_window_value():
+    config = dict(TINY_CONFIGS["qwen2"][1], architectures=["Qwen2ForCausalLM"], use_sliding_window=False)
+    config.pop("layer_types", None)
+    spec = find_architecture(config).to_spec(config)
+    assert spec.sliding_window is None and spec.sliding_window_layers == ()

@@ -1,0 +1,110 @@
+"""GGUF reading, checked against transformers' own GGUF loader (the oracle)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from precast.builder.build import BuildOptions, build_engine
+from precast.builder.checkpoint import open_checkpoint
+from precast.builder.engine import load_engine
+from tests.builder.gguf_fixtures import write_tiny_llama_gguf
+
+QUANT_MIX = {
+    "token_embd.weight": "Q8_0",
+    "output.weight": "Q6_K",
+    "attn_q.weight": "Q4_K",
+    "attn_k.weight": "Q6_K",
+    "attn_v.weight": "Q4_0",
+    "attn_output.weight": "Q4_1",
+    "ffn_gate.weight": "F16",
+    "ffn_up.weight": "BF16",
+    "ffn_down.weight": "Q4_K",
+}
+
+
+def test_every_required_quant_type_matches_transformers(tmp_path):
+    """Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, BF16, F32 dequantized, Q/K unpermuted with GQA."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path, QUANT_MIX)
+    ckpt = open_checkpoint(path)
+    assert {ckpt.tensor_dtype(n) for n in ckpt.tensor_names()} == {"Q8_0", "Q6_K", "Q4_K", "Q4_0", "Q4_1", "F16", "BF16", "F32"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    state = model.state_dict()
+    assert set(ckpt.tensor_names()) == set(state)
+    for name in ckpt.tensor_names():
+        ours = ckpt.read(name)
+        assert ours.shape == tuple(state[name].shape), name
+        np.testing.assert_allclose(ours, state[name].numpy(), rtol=1e-6, atol=1e-7, err_msg=f"{name} ({ckpt.tensor_dtype(name)})")
+
+
+def test_tied_gguf_has_no_lm_head(tmp_path):
+    path = tmp_path / "tied.gguf"
+    write_tiny_llama_gguf(path, {}, tied=True)
+    build_engine(BuildOptions(path, tmp_path / "e", progress=False))
+    engine = load_engine(tmp_path / "e")
+    assert engine.config.model.tie_word_embeddings and "lm_head.weight" not in engine.weights.tensors
+
+
+def test_smollm2_tensors_match_transformers(smollm2_gguf, smollm2_hf_model):
+    ckpt = open_checkpoint(smollm2_gguf)
+    state = smollm2_hf_model.state_dict()
+    names = set(ckpt.tensor_names())
+    # transformers materializes the tied head as its own entry; the GGUF (and precast) do not.
+    assert names == set(state) - {"lm_head.weight"}
+    for name in sorted(names):
+        np.testing.assert_array_equal(ckpt.read(name), state[name].numpy(), err_msg=name)
+
+
+def test_smollm2_gguf_builds_the_same_engine_as_its_hf_checkpoint(smollm2_gguf, smollm2_hf_dir, tmp_path):
+    build_engine(BuildOptions(smollm2_gguf, tmp_path / "from-gguf", progress=False))
+    build_engine(BuildOptions(smollm2_hf_dir, tmp_path / "from-hf", dtype="float32", progress=False))
+    a, b = load_engine(tmp_path / "from-gguf"), load_engine(tmp_path / "from-hf")
+    assert a.config.model == b.config.model
+    assert a.config.limits == b.config.limits and a.config.dtype == b.config.dtype == "float32"
+    assert a.weights.tensors.keys() == b.weights.tensors.keys()
+    for name in a.weights.tensors:
+        np.testing.assert_array_equal(a.weights.read(name), b.weights.read(name), err_msg=name)
+    ta, tb = a.config.tokenizer, b.config.tokenizer
+    for key in ("bos_token_id", "eos_token_ids", "chat_template"):
+        assert ta[key] == tb[key], key
+    assert a.config.provenance["source_format"] == "gguf" and b.config.provenance["source_format"] == "hf"
+
+
+MULTILINGUAL = (
+    "The quick brown fox jumps over the lazy dog. Ça va très bien, merci! Größe und Straße. "
+    "東京は日本の首都です。 北京欢迎你。 Привет, как дела? مرحبا بالعالم. नमस्ते दुनिया. 🤖🚀✨ "
+    "  two  spaces\ttab\nnew line, code: def f(x): return x**2 # comment\n"
+    "<|im_start|>user\nHello<|im_end|>\n"
+)
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2_gguf, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    build_engine(BuildOptions(smollm2_gguf, tmp_path / "e", progress=False))
+    engine = load_engine(tmp_path / "e")
+    ours = Tokenizer.from_file(str(engine.tokenizer_path))
+    theirs = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    ids = ours.encode(MULTILINGUAL).ids
+    assert ids == theirs.encode(MULTILINGUAL, add_special_tokens=True)
+    assert ours.encode("<|im_start|>").ids == [1]  # control tokens stay whole
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ids, skip_special_tokens=False) == MULTILINGUAL  # byte-level BPE is lossless
+    # SmolLM's pre-tokenizer splits digits one by one, as llama.cpp's "smollm" rule does.
+    assert [ours.id_to_token(i) for i in ours.encode("x 2024").ids] == ["x", "Ġ", "2", "0", "2", "4"]
+
+    tok_config = json.loads((engine.path / "tokenizer_config.json").read_text())
+    assert tok_config["eos_token"] == "<|im_end|>" or tok_config["eos_token"] == ours.id_to_token(2)
+    assert tok_config["chat_template"] == engine.config.tokenizer["chat_template"]
+    assert "<|im_start|>" in engine.config.tokenizer["chat_template"]
+    # The chat template renders with the special tokens of this vocabulary.
+    rendered = theirs.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant" in rendered

