@@ -146,7 +146,8 @@ def _convert(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
         raise PrecastError(f"tensor for {name} has dtype {array.dtype}; only floating-point weights can be built")
     if not np.isfinite(array).all():
         raise PrecastError(f"tensor for {name} contains NaN or Inf in the checkpoint; the checkpoint is damaged")
-    out = array.astype(target, copy=False)
+    with np.errstate(over="ignore"):  # overflow is reported below, with advice
+        out = array.astype(target, copy=False)
     if target == np.float16 and not np.isfinite(out).all():
         raise PrecastError(f"tensor for {name} has values beyond float16's range (65504); build with --dtype bfloat16 or float32")
     return out

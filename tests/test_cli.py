@@ -1,0 +1,46 @@
+"""The `precast` console script, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def precast(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("precast")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "precast", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_build_then_inspect(tiny_checkpoints, tmp_path):
+    out = tmp_path / "engine"
+    r = precast("build", "--checkpoint", str(tiny_checkpoints["qwen3"]), "--output", str(out), "--dtype", "bfloat16",
+                "--max-seq-len", "128", "--max-batch-size", "4")
+    assert r.returncode == 0, r.stderr
+    assert "built" in r.stdout and "qwen3" in r.stdout
+    assert "precast build" in r.stderr  # the progress bar
+    r = precast("inspect", str(out))
+    assert r.returncode == 0, r.stderr
+    for expected in ("architecture   qwen3", "qk-norm True", "bfloat16", "max_seq_len 128", "max_batch_size 4", "targets        cpu", "sha256"):
+        assert expected in r.stdout, expected
+    summary = json.loads(precast("inspect", str(out), "--json").stdout)
+    assert summary["parameters"] == sum(summary["parameters_by_dtype"].values())
+    assert set(summary["bytes_by_dtype"]) == {"bfloat16", "float32"}  # matrices bf16, norms float32
+    assert summary["provenance"]["source_format"] == "hf"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["build", "--checkpoint", "/nonexistent", "--output", "/tmp/x"], "does not exist"),
+        (["inspect", "/nonexistent-engine"], "does not exist"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(args, message):
+    r = precast(*args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
