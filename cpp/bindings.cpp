@@ -1,19 +1,59 @@
 // precast._C: the Python face of the C++ runtime and the CPU kernels.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "check.h"
 #include "cpu_features.h"
+#include "cpu_runner.h"
+#include "executor.h"
+#include "kv_cache_manager.h"
+#include "model_runner.h"
+#include "sampler.h"
 
 namespace py = pybind11;
+using namespace precast;
+
+namespace {
+
+// Lets runners written in Python (the TensorRT runner) plug into the executor. The
+// executor's loop thread holds no GIL; the override takes it for the call.
+class PyModelRunner : public ModelRunner, public py::trampoline_self_life_support {
+ public:
+  using ModelRunner::ModelRunner;
+  int vocab_size() const override { PYBIND11_OVERRIDE_PURE(int, ModelRunner, vocab_size); }
+  int64_t kv_block_bytes(int tokens_per_block) const override {
+    PYBIND11_OVERRIDE_PURE(int64_t, ModelRunner, kv_block_bytes, tokens_per_block);
+  }
+  void configure_kv(int num_blocks, int tokens_per_block) override {
+    PYBIND11_OVERRIDE_PURE(void, ModelRunner, configure_kv, num_blocks, tokens_per_block);
+  }
+  bool slot_mode() const override { PYBIND11_OVERRIDE(bool, ModelRunner, slot_mode); }
+  std::vector<float> forward(const Batch& batch) override {
+    py::gil_scoped_acquire gil;
+    py::function override = py::get_override(static_cast<const ModelRunner*>(this), "forward");
+    if (!override) throw std::runtime_error("ModelRunner.forward is not implemented");
+    py::array_t<float> logits = py::array_t<float, py::array::c_style | py::array::forcecast>(override(batch));
+    return std::vector<float>(logits.data(), logits.data() + logits.size());
+  }
+};
+
+template <typename T>
+py::array_t<T> to_numpy(const std::vector<T>& v) {
+  return py::array_t<T>(py::ssize_t(v.size()), v.data());
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "precast C++ runtime and CPU kernels";
   m.attr("__version__") = PRECAST_VERSION;
+  py::register_exception<InvariantError>(m, "InvariantError", PyExc_RuntimeError);
 
   m.def(
       "cpu_features",
       [] {
-        const precast::CpuFeatures& f = precast::cpu_features();
+        const CpuFeatures& f = cpu_features();
         py::dict d;
         d["avx2"] = f.avx2;
         d["fma"] = f.fma;
@@ -27,6 +67,201 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       "Instruction sets this CPU and OS support, as detected by cpuid/xgetbv.");
-  m.def("best_isa", &precast::best_isa,
-        "The widest instruction set precast's CPU kernels use here: 'avx512', 'avx2' or 'scalar'.");
+  m.def("best_isa", &best_isa, "The widest instruction set this host supports: 'avx512', 'avx2' or 'scalar'.");
+  m.def("compiled_isa", [] {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return std::string("avx512");
+#else
+    return std::string("scalar");
+#endif
+  }, "The instruction set precast's CPU kernels were compiled for.");
+
+  py::class_<SamplingParams>(m, "SamplingParams")
+      .def(py::init<>())
+      .def_readwrite("temperature", &SamplingParams::temperature)
+      .def_readwrite("top_k", &SamplingParams::top_k)
+      .def_readwrite("top_p", &SamplingParams::top_p)
+      .def_readwrite("min_p", &SamplingParams::min_p)
+      .def_readwrite("repetition_penalty", &SamplingParams::repetition_penalty)
+      .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
+      .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
+      .def_readwrite("seed", &SamplingParams::seed)
+      .def_readwrite("top_logprobs", &SamplingParams::top_logprobs);
+
+  py::class_<Request>(m, "Request")
+      .def(py::init<>())
+      .def_readwrite("prompt", &Request::prompt)
+      .def_readwrite("sampling", &Request::sampling)
+      .def_readwrite("max_tokens", &Request::max_tokens)
+      .def_readwrite("min_tokens", &Request::min_tokens)
+      .def_readwrite("stop_token_ids", &Request::stop_token_ids)
+      .def_readwrite("ignore_eos", &Request::ignore_eos)
+      .def_readwrite("streaming", &Request::streaming)
+      .def_readwrite("priority", &Request::priority)
+      .def_readwrite("bad_words", &Request::bad_words);
+
+  py::enum_<FinishReason>(m, "FinishReason")
+      .value("NONE", FinishReason::kNone)
+      .value("LENGTH", FinishReason::kLength)
+      .value("STOP", FinishReason::kStop)
+      .value("CANCELLED", FinishReason::kCancelled)
+      .value("ERROR", FinishReason::kError);
+
+  py::class_<Response>(m, "Response")
+      .def_readonly("request_id", &Response::request_id)
+      .def_readonly("new_tokens", &Response::new_tokens)
+      .def_readonly("logprobs", &Response::logprobs)
+      .def_property_readonly("top_logprobs",
+                             [](const Response& r) {
+                               std::vector<std::vector<std::pair<TokenId, float>>> out;
+                               for (const auto& step : r.top_logprobs) {
+                                 out.emplace_back();
+                                 for (const auto& t : step) out.back().emplace_back(t.token, t.logprob);
+                               }
+                               return out;
+                             })
+      .def_readonly("finish_reason", &Response::finish_reason)
+      .def_readonly("error", &Response::error)
+      .def_readonly("num_prompt_tokens", &Response::num_prompt_tokens)
+      .def_readonly("num_cached_prompt_tokens", &Response::num_cached_prompt_tokens)
+      .def_property_readonly("finished", &Response::finished);
+
+  py::class_<KvCacheStats>(m, "KvCacheStats")
+      .def_readonly("max_blocks", &KvCacheStats::max_blocks)
+      .def_readonly("free_blocks", &KvCacheStats::free_blocks)
+      .def_readonly("used_blocks", &KvCacheStats::used_blocks)
+      .def_readonly("cached_blocks", &KvCacheStats::cached_blocks)
+      .def_readonly("reused_blocks", &KvCacheStats::reused_blocks)
+      .def_readonly("prefix_query_tokens", &KvCacheStats::prefix_query_tokens)
+      .def_readonly("prefix_hit_tokens", &KvCacheStats::prefix_hit_tokens)
+      .def_readonly("tokens_per_block", &KvCacheStats::tokens_per_block)
+      .def_property_readonly("hit_rate", &KvCacheStats::hit_rate);
+
+  py::class_<ExecutorStats>(m, "ExecutorStats")
+      .def_readonly("iterations", &ExecutorStats::iterations)
+      .def_readonly("active_requests", &ExecutorStats::active_requests)
+      .def_readonly("queued_requests", &ExecutorStats::queued_requests)
+      .def_readonly("scheduled_requests", &ExecutorStats::scheduled_requests)
+      .def_readonly("context_requests", &ExecutorStats::context_requests)
+      .def_readonly("decode_requests", &ExecutorStats::decode_requests)
+      .def_readonly("preemptions", &ExecutorStats::preemptions)
+      .def_readonly("prompt_tokens", &ExecutorStats::prompt_tokens)
+      .def_readonly("generated_tokens", &ExecutorStats::generated_tokens)
+      .def_readonly("kv", &ExecutorStats::kv);
+
+  py::class_<ExecutorConfig>(m, "ExecutorConfig")
+      .def(py::init<>())
+      .def_readwrite("max_batch_size", &ExecutorConfig::max_batch_size)
+      .def_readwrite("max_num_tokens", &ExecutorConfig::max_num_tokens)
+      .def_readwrite("max_seq_len", &ExecutorConfig::max_seq_len)
+      .def_readwrite("tokens_per_block", &ExecutorConfig::tokens_per_block)
+      .def_readwrite("kv_cache_bytes", &ExecutorConfig::kv_cache_bytes)
+      .def_readwrite("chunked_prefill", &ExecutorConfig::chunked_prefill)
+      .def_readwrite("prefix_reuse", &ExecutorConfig::prefix_reuse)
+      .def_readwrite("eos_token_ids", &ExecutorConfig::eos_token_ids);
+
+  py::class_<BatchSequence>(m, "BatchSequence")
+      .def_readonly("request_id", &BatchSequence::request_id)
+      .def_readonly("context_len", &BatchSequence::context_len)
+      .def_readonly("num_tokens", &BatchSequence::num_tokens)
+      .def_readonly("token_offset", &BatchSequence::token_offset)
+      .def_readonly("sample", &BatchSequence::sample)
+      .def_readonly("block_table", &BatchSequence::block_table);
+
+  py::class_<Batch>(m, "Batch")
+      .def_property_readonly("token_ids", [](const Batch& b) { return to_numpy(b.token_ids); })
+      .def_property_readonly("positions", [](const Batch& b) { return to_numpy(b.positions); })
+      .def_readonly("sequences", &Batch::sequences)
+      .def("num_sampling", &Batch::num_sampling);
+
+  py::class_<ModelRunner, PyModelRunner, py::smart_holder>(m, "ModelRunner")
+      .def(py::init<>())
+      .def("vocab_size", &ModelRunner::vocab_size)
+      .def("kv_block_bytes", &ModelRunner::kv_block_bytes)
+      .def("configure_kv", &ModelRunner::configure_kv)
+      .def("slot_mode", &ModelRunner::slot_mode)
+      .def("forward", [](ModelRunner& r, const Batch& b) {
+        std::vector<float> logits;
+        {
+          py::gil_scoped_release release;
+          logits = r.forward(b);
+        }
+        return to_numpy(logits);
+      });
+
+  py::enum_<WeightDtype>(m, "WeightDtype")
+      .value("F32", WeightDtype::kF32)
+      .value("BF16", WeightDtype::kBF16)
+      .value("F16", WeightDtype::kF16);
+
+  py::class_<CpuModelConfig>(m, "CpuModelConfig")
+      .def(py::init<>())
+      .def_readwrite("vocab_size", &CpuModelConfig::vocab_size)
+      .def_readwrite("hidden_size", &CpuModelConfig::hidden_size)
+      .def_readwrite("intermediate_size", &CpuModelConfig::intermediate_size)
+      .def_readwrite("num_layers", &CpuModelConfig::num_layers)
+      .def_readwrite("num_heads", &CpuModelConfig::num_heads)
+      .def_readwrite("num_kv_heads", &CpuModelConfig::num_kv_heads)
+      .def_readwrite("head_dim", &CpuModelConfig::head_dim)
+      .def_readwrite("norm_eps", &CpuModelConfig::norm_eps)
+      .def_readwrite("qkv_bias", &CpuModelConfig::qkv_bias)
+      .def_readwrite("qk_norm", &CpuModelConfig::qk_norm)
+      .def_readwrite("sliding_window", &CpuModelConfig::sliding_window)
+      .def_readwrite("sliding_window_layers", &CpuModelConfig::sliding_window_layers)
+      .def_readwrite("tie_word_embeddings", &CpuModelConfig::tie_word_embeddings)
+      .def_readwrite("inv_freq", &CpuModelConfig::inv_freq)
+      .def_readwrite("attention_factor", &CpuModelConfig::attention_factor)
+      .def_readwrite("dtype", &CpuModelConfig::dtype)
+      .def_readwrite("num_threads", &CpuModelConfig::num_threads);
+
+  py::class_<CpuRunner, ModelRunner, py::smart_holder>(m, "CpuRunner")
+      .def(py::init<CpuModelConfig>())
+      .def("set_weight",
+           [](CpuRunner& r, const std::string& name, py::buffer data) {
+             py::buffer_info info = data.request();
+             // Strides must be C-contiguous: the bytes are copied as they lie.
+             py::ssize_t expect = info.itemsize;
+             for (int d = int(info.ndim) - 1; d >= 0; --d) {
+               if (info.shape[d] > 1 && info.strides[d] != expect) throw std::invalid_argument(name + ": weight must be C-contiguous");
+               expect *= info.shape[d];
+             }
+             r.set_weight(name, info.ptr, size_t(info.size) * size_t(info.itemsize));
+           })
+      .def("finalize", &CpuRunner::finalize);
+
+  py::class_<Executor, py::smart_holder>(m, "Executor")
+      .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>>(), py::call_guard<py::gil_scoped_release>())
+      .def("enqueue", &Executor::enqueue)
+      .def("await_responses", &Executor::await_responses, py::arg("timeout") = 0.1, py::call_guard<py::gil_scoped_release>())
+      .def("cancel", &Executor::cancel)
+      .def("stats", &Executor::stats)
+      .def("shutdown", &Executor::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("check_integrity", &Executor::check_integrity, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_kv_blocks", &Executor::num_kv_blocks);
+
+  py::class_<KvCacheManager>(m, "KvCacheManager")
+      .def(py::init<int, int, bool>(), py::arg("num_blocks"), py::arg("tokens_per_block"), py::arg("prefix_reuse") = true)
+      .def("match_prefix", &KvCacheManager::match_prefix)
+      .def("allocate", &KvCacheManager::allocate)
+      .def("commit", &KvCacheManager::commit)
+      .def("free", &KvCacheManager::free)
+      .def("block_table", &KvCacheManager::block_table)
+      .def("has_request", &KvCacheManager::has_request)
+      .def("num_allocatable_blocks", &KvCacheManager::num_allocatable_blocks)
+      .def("stats", &KvCacheManager::stats)
+      .def("check_integrity", &KvCacheManager::check_integrity);
+
+  m.def(
+      "sample_token",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, const SamplingParams& params,
+         const std::vector<TokenId>& context, int num_output, const std::vector<std::vector<TokenId>>& bad_words,
+         const std::vector<TokenId>& banned, uint64_t seed) {
+        std::vector<float> row(logits.data(), logits.data() + logits.size());
+        SamplerState state(seed);
+        SampleResult r = sample_token(row.data(), int(row.size()), params, context, num_output, bad_words, banned, state);
+        std::vector<std::pair<TokenId, float>> top;
+        for (const auto& t : r.top) top.emplace_back(t.token, t.logprob);
+        return py::make_tuple(r.token, r.logprob, top);
+      },
+      "One sampler step on a logits row (for tests): returns (token, logprob, top logprobs).");
 }

@@ -1,0 +1,309 @@
+#include "executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <stdexcept>
+
+#include "check.h"
+
+namespace precast {
+
+Executor::Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner)
+    : config_(std::move(config)), runner_(std::move(runner)) {
+  if (!runner_) throw std::invalid_argument("Executor needs a model runner");
+  int tokens_per_block = config_.tokens_per_block;
+  if (runner_->slot_mode()) {
+    // One block per request, holding a whole sequence; no prefix reuse possible.
+    tokens_per_block = config_.max_seq_len;
+    config_.prefix_reuse = false;
+  }
+  const int64_t block_bytes = runner_->kv_block_bytes(tokens_per_block);
+  num_blocks_ = int(std::min<int64_t>(config_.kv_cache_bytes / std::max<int64_t>(block_bytes, 1), 1 << 30));
+  if (runner_->slot_mode()) num_blocks_ = std::min(num_blocks_, config_.max_batch_size);
+  if (num_blocks_ < 1) {
+    throw std::invalid_argument("the KV cache budget (" + std::to_string(config_.kv_cache_bytes) +
+                                " bytes) is smaller than one KV block (" + std::to_string(block_bytes) +
+                                " bytes); give the cache more memory");
+  }
+  runner_->configure_kv(num_blocks_, tokens_per_block);
+  kv_ = std::make_unique<KvCacheManager>(num_blocks_, tokens_per_block, config_.prefix_reuse);
+  SchedulerConfig sc{config_.max_batch_size, config_.max_num_tokens, config_.chunked_prefill};
+  scheduler_ = std::make_unique<Scheduler>(sc, *kv_, std::make_unique<PriorityFcfsPolicy>());
+  stats_.kv = kv_->stats();
+  thread_ = std::thread([this] { loop(); });
+}
+
+Executor::~Executor() { shutdown(); }
+
+void Executor::validate(const Request& r) const {
+  const int vocab = runner_->vocab_size();
+  const int n = int(r.prompt.size());
+  auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  if (n == 0) fail("the prompt is empty; give at least one token");
+  for (TokenId t : r.prompt)
+    if (t < 0 || t >= vocab) fail("prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  if (n >= config_.max_seq_len)
+    fail("the prompt has " + std::to_string(n) + " tokens; this engine's max_seq_len is " + std::to_string(config_.max_seq_len) +
+         " (prompt plus output), so at most " + std::to_string(config_.max_seq_len - 1) + " prompt tokens fit");
+  if (r.max_tokens < 1) fail("max_tokens must be at least 1, got " + std::to_string(r.max_tokens));
+  if (n + r.max_tokens > config_.max_seq_len)
+    fail("prompt (" + std::to_string(n) + " tokens) + max_tokens (" + std::to_string(r.max_tokens) + ") exceeds max_seq_len (" +
+         std::to_string(config_.max_seq_len) + "); lower max_tokens to at most " + std::to_string(config_.max_seq_len - n));
+  if (r.min_tokens < 0 || r.min_tokens > r.max_tokens) fail("min_tokens must be between 0 and max_tokens");
+  const SamplingParams& s = r.sampling;
+  if (!(s.temperature >= 0.0f)) fail("temperature must be >= 0");
+  if (s.top_k < 0) fail("top_k must be >= 0 (0 disables it)");
+  if (!(s.top_p > 0.0f && s.top_p <= 1.0f)) fail("top_p must be in (0, 1]");
+  if (!(s.min_p >= 0.0f && s.min_p <= 1.0f)) fail("min_p must be in [0, 1]");
+  if (!(s.repetition_penalty > 0.0f)) fail("repetition_penalty must be > 0");
+  if (!(s.presence_penalty >= -2.0f && s.presence_penalty <= 2.0f)) fail("presence_penalty must be in [-2, 2]");
+  if (!(s.frequency_penalty >= -2.0f && s.frequency_penalty <= 2.0f)) fail("frequency_penalty must be in [-2, 2]");
+  if (s.top_logprobs > 20) fail("top_logprobs must be at most 20");
+  for (TokenId t : r.stop_token_ids)
+    if (t < 0 || t >= vocab) fail("stop token id " + std::to_string(t) + " is outside the vocabulary");
+  for (const auto& w : r.bad_words)
+    for (TokenId t : w)
+      if (t < 0 || t >= vocab) fail("bad word token id " + std::to_string(t) + " is outside the vocabulary");
+  if (!config_.chunked_prefill && n > config_.max_num_tokens)
+    fail("the prompt has " + std::to_string(n) + " tokens but a step holds " + std::to_string(config_.max_num_tokens) +
+         " and chunked prefill is off");
+  const int need = kv_->blocks_needed(n + r.max_tokens);
+  if (need > num_blocks_)
+    fail("this request needs " + std::to_string(need) + " KV blocks (prompt + max_tokens) but the whole cache has " +
+         std::to_string(num_blocks_) + "; give the KV cache more memory or ask for fewer tokens");
+}
+
+RequestId Executor::enqueue(Request request) {
+  validate(request);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stop_) throw std::runtime_error("the executor has been shut down");
+  const RequestId id = next_id_++;
+  const uint64_t seed = request.sampling.seed ? *request.sampling.seed : std::random_device{}() ^ (uint64_t(id) << 32);
+  incoming_.push_back(std::make_unique<RequestState>(id, std::move(request), next_arrival_++, seed));
+  live_.insert(id);
+  work_cv_.notify_one();
+  return id;
+}
+
+bool Executor::cancel(RequestId id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!live_.count(id)) return false;
+  cancels_.push_back(id);
+  work_cv_.notify_one();
+  return true;
+}
+
+std::vector<Response> Executor::await_responses(double timeout_seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  response_cv_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, timeout_seconds)),
+                        [&] { return !responses_.empty() || stop_; });
+  std::vector<Response> out;
+  out.swap(responses_);
+  return out;
+}
+
+ExecutorStats Executor::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+void Executor::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  response_cv_.notify_all();
+  if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
+}
+
+void Executor::check_integrity() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  audit_requested_ = true;
+  audit_done_ = false;
+  work_cv_.notify_one();
+  response_cv_.wait(lock, [&] { return audit_done_ || stop_; });
+  if (!audit_error_.empty()) {
+    std::string e;
+    e.swap(audit_error_);
+    throw InvariantError(e);
+  }
+}
+
+void Executor::emit(std::vector<Response>&& responses) {
+  if (responses.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& r : responses) {
+    if (r.finished()) live_.erase(r.request_id);
+    responses_.push_back(std::move(r));
+  }
+  response_cv_.notify_all();
+}
+
+void Executor::finish(RequestState& r, FinishReason reason, Response& response, const std::string& error) {
+  response.finish_reason = reason;
+  response.error = error;
+  response.num_prompt_tokens = r.num_prompt;
+  response.num_cached_prompt_tokens = r.num_cached_prompt;
+}
+
+void Executor::loop() {
+  while (true) {
+    std::vector<std::unique_ptr<RequestState>> incoming;
+    std::vector<RequestId> cancels;
+    bool audit = false;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_cv_.wait(lock, [&] {
+        return stop_ || audit_requested_ || !incoming_.empty() || !cancels_.empty() || scheduler_->num_running() > 0 ||
+               scheduler_->num_waiting() > 0;
+      });
+      if (stop_) break;
+      incoming.swap(incoming_);
+      cancels.swap(cancels_);
+      std::swap(audit, audit_requested_);
+    }
+    if (audit) {
+      std::string error;
+      try {
+        kv_->check_integrity();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      audit_error_ = error;
+      audit_done_ = true;
+      response_cv_.notify_all();
+    }
+    for (auto& r : incoming) scheduler_->add(std::move(r));
+    std::vector<Response> cancelled;
+    for (RequestId id : cancels) {
+      if (auto r = scheduler_->remove(id)) {
+        r->pending.request_id = id;
+        finish(*r, FinishReason::kCancelled, r->pending);
+        cancelled.push_back(std::move(r->pending));
+      }
+    }
+    emit(std::move(cancelled));
+    if (scheduler_->num_running() + scheduler_->num_waiting() > 0) step();
+  }
+  // Shutting down: every unfinished request ends with an error response.
+  std::vector<Response> rest;
+  for (RequestId id : std::vector<RequestId>(live_.begin(), live_.end())) {
+    Response resp;
+    resp.request_id = id;
+    resp.finish_reason = FinishReason::kError;
+    resp.error = "the executor shut down";
+    rest.push_back(std::move(resp));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& r : rest) responses_.push_back(std::move(r));
+  live_.clear();
+  response_cv_.notify_all();
+}
+
+void Executor::sample_into(RequestState& r, float* logits, int vocab, Response& resp) {
+  const Request& q = r.request;
+  std::vector<TokenId> banned;
+  if (r.num_output() < q.min_tokens) {  // stop tokens may not end the output yet
+    banned = q.stop_token_ids;
+    if (!q.ignore_eos) banned.insert(banned.end(), config_.eos_token_ids.begin(), config_.eos_token_ids.end());
+  }
+  SampleResult sr = sample_token(logits, vocab, q.sampling, r.tokens, r.num_output(), q.bad_words, banned, r.sampler);
+  r.tokens.push_back(sr.token);
+  resp.new_tokens.push_back(sr.token);
+  if (q.sampling.top_logprobs >= 0) {
+    resp.logprobs.push_back(sr.logprob);
+    resp.top_logprobs.push_back(std::move(sr.top));
+  }
+  const auto& eos = config_.eos_token_ids;
+  const bool is_stop = std::count(q.stop_token_ids.begin(), q.stop_token_ids.end(), sr.token) ||
+                       (!q.ignore_eos && std::count(eos.begin(), eos.end(), sr.token));
+  if (is_stop && r.num_output() >= q.min_tokens) {
+    finish(r, FinishReason::kStop, resp);
+  } else if (r.num_output() >= q.max_tokens || int(r.tokens.size()) >= config_.max_seq_len) {
+    finish(r, FinishReason::kLength, resp);
+  }
+}
+
+void Executor::step() {
+  std::vector<ScheduledRequest> scheduled = scheduler_->schedule();
+  if (scheduled.empty()) {
+    // Nothing fits although requests wait: only possible when a waiting request can
+    // never fit, which validate() rules out; wait briefly rather than spin.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return;
+  }
+  Batch batch;
+  int num_context = 0;
+  for (const ScheduledRequest& s : scheduled) {
+    RequestState& r = *s.state;
+    BatchSequence seq;
+    seq.request_id = r.id;
+    seq.context_len = r.num_computed;
+    seq.num_tokens = s.num_tokens;
+    seq.token_offset = int(batch.token_ids.size());
+    seq.sample = s.sample;
+    seq.block_table = kv_->block_table(r.id);
+    for (int i = 0; i < s.num_tokens; ++i) {
+      batch.token_ids.push_back(r.tokens[r.num_computed + i]);
+      batch.positions.push_back(r.num_computed + i);
+    }
+    num_context += r.num_computed < r.num_prompt;
+    batch.sequences.push_back(std::move(seq));
+  }
+
+  std::vector<float> logits;
+  std::string error;
+  try {
+    logits = runner_->forward(batch);
+    PRECAST_CHECK(logits.size() == size_t(batch.num_sampling()) * runner_->vocab_size(), "runner returned " << logits.size() << " logits");
+  } catch (const std::exception& e) {
+    error = std::string("model runner failed: ") + e.what();
+  }
+
+  std::vector<Response> responses;
+  std::vector<RequestId> finished;
+  const int vocab = runner_->vocab_size();
+  int row = 0;
+  int64_t prompt_tokens = 0, generated = 0;
+  for (const ScheduledRequest& s : scheduled) {
+    RequestState& r = *s.state;
+    Response& resp = r.pending;
+    resp.request_id = r.id;
+    if (!error.empty()) {
+      finish(r, FinishReason::kError, resp, error);
+    } else {
+      prompt_tokens += std::max(0, std::min(r.num_prompt, r.num_computed + s.num_tokens) - r.num_computed);
+      r.num_computed += s.num_tokens;
+      kv_->commit(r.id, r.tokens, r.num_computed);
+      if (!s.sample) continue;
+      generated += 1;
+      sample_into(r, logits.data() + int64_t(row++) * vocab, vocab, resp);
+    }
+    if (resp.finished()) finished.push_back(r.id);
+    if (r.request.streaming || resp.finished()) {
+      responses.push_back(std::move(resp));
+      resp = Response();
+    }
+  }
+  for (RequestId id : finished) scheduler_->remove(id);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.iterations += 1;
+    stats_.active_requests = scheduler_->num_running();
+    stats_.queued_requests = scheduler_->num_waiting();
+    stats_.scheduled_requests = int(scheduled.size());
+    stats_.context_requests = num_context;
+    stats_.decode_requests = int(scheduled.size()) - num_context;
+    stats_.preemptions = scheduler_->num_preemptions();
+    stats_.prompt_tokens += prompt_tokens;
+    stats_.generated_tokens += generated;
+    stats_.kv = kv_->stats();
+  }
+  emit(std::move(responses));
+}
+
+}  // namespace precast

@@ -1,0 +1,99 @@
+// The executor: a loop thread that runs schedule -> batch -> forward -> sample -> respond.
+//
+// Clients talk to it from any thread: enqueue() validates and queues a request,
+// await_responses() waits for what the loop produced, cancel() stops a request. A bad
+// request is rejected (enqueue throws std::invalid_argument) or finished with an error
+// response; the loop itself keeps running.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "kv_cache_manager.h"
+#include "model_runner.h"
+#include "request.h"
+#include "scheduler.h"
+
+namespace precast {
+
+struct ExecutorConfig {
+  int max_batch_size = 64;
+  int max_num_tokens = 2048;
+  int max_seq_len = 4096;
+  int tokens_per_block = 32;
+  int64_t kv_cache_bytes = 0;  // KV memory budget; the block count is budget / runner's block size
+  bool chunked_prefill = true;
+  bool prefix_reuse = true;
+  std::vector<TokenId> eos_token_ids;
+};
+
+struct ExecutorStats {
+  int64_t iterations = 0;
+  int active_requests = 0;   // running (holding KV)
+  int queued_requests = 0;   // waiting
+  int scheduled_requests = 0;  // in the last step
+  int context_requests = 0;    // of which computing prompt tokens
+  int decode_requests = 0;     // of which generating
+  int64_t preemptions = 0;
+  int64_t prompt_tokens = 0;     // computed prompt tokens (prefix hits excluded)
+  int64_t generated_tokens = 0;
+  KvCacheStats kv;
+};
+
+class Executor {
+ public:
+  Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  RequestId enqueue(Request request);
+  std::vector<Response> await_responses(double timeout_seconds);
+  bool cancel(RequestId id);  // false when the id is unknown or already finished
+  ExecutorStats stats() const;
+  void shutdown();
+  // Runs on the loop thread between steps; used by tests to audit block accounting.
+  void check_integrity();
+  const ExecutorConfig& config() const { return config_; }
+  int num_kv_blocks() const { return num_blocks_; }
+
+ private:
+  void loop();
+  void step();
+  void sample_into(RequestState& r, float* logits, int vocab, Response& resp);
+  void finish(RequestState& r, FinishReason reason, Response& response, const std::string& error = {});
+  void validate(const Request& request) const;
+  void emit(std::vector<Response>&& responses);
+
+  ExecutorConfig config_;
+  std::shared_ptr<ModelRunner> runner_;
+  int num_blocks_ = 0;
+  std::unique_ptr<KvCacheManager> kv_;
+  std::unique_ptr<Scheduler> scheduler_;
+
+  // Shared with client threads, under mutex_.
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable response_cv_;
+  std::vector<std::unique_ptr<RequestState>> incoming_;
+  std::vector<RequestId> cancels_;
+  std::unordered_set<RequestId> live_;  // enqueued and not yet finished
+  std::vector<Response> responses_;
+  ExecutorStats stats_;
+  bool audit_requested_ = false;
+  std::string audit_error_;
+  bool audit_done_ = false;
+  RequestId next_id_ = 1;
+  uint64_t next_arrival_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace precast

@@ -1,0 +1,57 @@
+// What a client asks for and what it gets back (the Executor API's data types).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace precast {
+
+using TokenId = int32_t;
+using RequestId = uint64_t;
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0: greedy
+  int top_k = 0;             // 0: off
+  float top_p = 1.0f;        // 1: off
+  float min_p = 0.0f;        // 0: off
+  float repetition_penalty = 1.0f;  // on prompt and output tokens, HF's rule
+  float presence_penalty = 0.0f;    // on output tokens, OpenAI's rule
+  float frequency_penalty = 0.0f;
+  std::optional<uint64_t> seed;     // same seed, same tokens, whatever shares the batch
+  int top_logprobs = -1;            // -1: no logprobs; 0: the chosen token's; n: also the n best
+};
+
+struct Request {
+  std::vector<TokenId> prompt;
+  SamplingParams sampling;
+  int max_tokens = 16;
+  int min_tokens = 0;
+  std::vector<TokenId> stop_token_ids;  // besides the engine's eos ids
+  bool ignore_eos = false;
+  bool streaming = false;
+  int priority = 0;  // higher first among waiting requests; FCFS within a priority
+  std::vector<std::vector<TokenId>> bad_words;  // token sequences never generated
+};
+
+enum class FinishReason { kNone, kLength, kStop, kCancelled, kError };
+
+struct TokenLogprob {
+  TokenId token;
+  float logprob;
+};
+
+struct Response {
+  RequestId request_id = 0;
+  std::vector<TokenId> new_tokens;
+  std::vector<float> logprobs;                         // one per new token, when asked
+  std::vector<std::vector<TokenLogprob>> top_logprobs;  // one list per new token, when asked
+  FinishReason finish_reason = FinishReason::kNone;
+  std::string error;  // set with kError
+  int num_prompt_tokens = 0;
+  int num_cached_prompt_tokens = 0;  // served from the prefix cache
+  bool finished() const { return finish_reason != FinishReason::kNone; }
+};
+
+}  // namespace precast

@@ -1,0 +1,36 @@
+// Turns one request's logits row into its next token.
+//
+// Order of operations (each optional): ban bad-word completions and (before min_tokens)
+// stop tokens -> repetition penalty (HF: divide positive / multiply negative logits of
+// every seen token) -> presence and frequency penalties (OpenAI: subtract, output tokens
+// only) -> greedy argmax when temperature == 0, else temperature, top-k, top-p, min-p and
+// a draw from the request's own generator. Logprobs are log-softmax of the raw logits.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "request.h"
+
+namespace precast {
+
+struct SamplerState {
+  std::mt19937_64 rng;  // per request: the same seed draws the same tokens in any batch
+  explicit SamplerState(uint64_t seed) : rng(seed) {}
+};
+
+struct SampleResult {
+  TokenId token = 0;
+  float logprob = 0.0f;
+  std::vector<TokenLogprob> top;
+};
+
+// `context` is prompt + output so far; `num_output` how many of its last tokens are output.
+// `banned_now` lists tokens that may not be produced at this step (stop tokens before
+// min_tokens). `logits` is modified in place.
+SampleResult sample_token(float* logits, int vocab_size, const SamplingParams& params, const std::vector<TokenId>& context,
+                          int num_output, const std::vector<std::vector<TokenId>>& bad_words,
+                          const std::vector<TokenId>& banned_now, SamplerState& state);
+
+}  // namespace precast

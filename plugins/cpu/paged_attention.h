@@ -1,0 +1,47 @@
+// Paged attention over a packed batch, reading K/V in place through block tables.
+//
+// Cache layout per layer: [num_blocks][num_kv_heads][tokens_per_block][head_dim], so one
+// kv head's tokens within a block are contiguous. Token position p of a sequence lives
+// in block block_table[p / tokens_per_block], row p % tokens_per_block.
+//
+// One kernel serves both phases: a context (prefill) chunk is several query tokens of a
+// sequence, a decode step is one. Query token t of a sequence attends to positions
+// [lo, context_len + t] (causal), lo = context_len + t - window + 1 with a sliding window.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace precast {
+
+struct PagedKvLayer {
+  float* k = nullptr;
+  float* v = nullptr;
+  int tokens_per_block = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  float* k_at(int block, int kv_head, int row) const {
+    return k + ((int64_t(block) * num_kv_heads + kv_head) * tokens_per_block + row) * head_dim;
+  }
+  float* v_at(int block, int kv_head, int row) const {
+    return v + ((int64_t(block) * num_kv_heads + kv_head) * tokens_per_block + row) * head_dim;
+  }
+};
+
+struct AttentionSequence {
+  const int* block_table = nullptr;
+  int context_len = 0;   // positions already cached before this step
+  int num_tokens = 0;    // query tokens this step (their K/V already written)
+  int token_offset = 0;  // first query row in the packed batch
+};
+
+// Store one token's K and V (num_kv_heads x head_dim each) at `position`.
+void write_kv(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v);
+
+// out[t, h * head_dim ...] for every query token t and head h; q rows have `q_stride` floats.
+void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
+                     const float* q, int64_t q_stride, int num_heads, int window, float scale, float* out);
+
+}  // namespace precast
