@@ -87,8 +87,12 @@ int64_t CpuRunner::kv_block_bytes(int tokens_per_block) const {
 
 void CpuRunner::configure_kv(int num_blocks, int tokens_per_block) {
   const int64_t per_layer = int64_t(num_blocks) * config_.num_kv_heads * tokens_per_block * config_.head_dim;
-  k_cache_.assign(config_.num_layers, std::vector<float>(per_layer));
-  v_cache_.assign(config_.num_layers, std::vector<float>(per_layer));
+  k_cache_.clear();
+  v_cache_.clear();
+  for (int i = 0; i < config_.num_layers; ++i) {
+    k_cache_.emplace_back(new float[per_layer]);
+    v_cache_.emplace_back(new float[per_layer]);
+  }
   tokens_per_block_ = tokens_per_block;
 }
 
@@ -122,7 +126,7 @@ std::vector<float> CpuRunner::forward(const Batch& batch) {
 
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
-    PagedKvLayer cache{k_cache_[li].data(), v_cache_[li].data(), tokens_per_block_, c.num_kv_heads, D};
+    PagedKvLayer cache{k_cache_[li].get(), v_cache_[li].get(), tokens_per_block_, c.num_kv_heads, D};
     rows_parallel(T, [&](int r, int n) { rms_norm(x_.data() + size_t(r) * H, L.attn_norm, n, H, c.norm_eps, h_.data() + size_t(r) * H); });
     linear(pool_, h_.data(), T, L.qkv, L.qkv_bias, qkv_.data());
     rows_parallel(T, [&](int r0, int n) {

@@ -74,8 +74,9 @@ class CpuRunner : public ModelRunner {
   WeightView embed_, lm_head_;
   const float* final_norm_ = nullptr;
   bool finalized_ = false;
-  // KV pools, one K and one V per layer.
-  std::vector<std::vector<float>> k_cache_, v_cache_;
+  // KV pools, one K and one V per layer. Left uninitialized on purpose: a position is
+  // always written before it is read, and untouched pages cost no physical memory.
+  std::vector<std::unique_ptr<float[]>> k_cache_, v_cache_;
   int tokens_per_block_ = 0;
   // Work buffers, grown to the largest batch seen.
   std::vector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_;

@@ -149,6 +149,13 @@ void Executor::finish(RequestState& r, FinishReason reason, Response& response, 
   response.num_cached_prompt_tokens = r.num_cached_prompt;
 }
 
+void Executor::refresh_stats_locked() {
+  stats_.active_requests = scheduler_->num_running();
+  stats_.queued_requests = scheduler_->num_waiting();
+  stats_.preemptions = scheduler_->num_preemptions();
+  stats_.kv = kv_->stats();
+}
+
 void Executor::loop() {
   while (true) {
     std::vector<std::unique_ptr<RequestState>> incoming;
@@ -185,6 +192,10 @@ void Executor::loop() {
         finish(*r, FinishReason::kCancelled, r->pending);
         cancelled.push_back(std::move(r->pending));
       }
+    }
+    if (!cancelled.empty()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      refresh_stats_locked();
     }
     emit(std::move(cancelled));
     if (scheduler_->num_running() + scheduler_->num_waiting() > 0) step();
@@ -293,15 +304,12 @@ void Executor::step() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.iterations += 1;
-    stats_.active_requests = scheduler_->num_running();
-    stats_.queued_requests = scheduler_->num_waiting();
     stats_.scheduled_requests = int(scheduled.size());
     stats_.context_requests = num_context;
     stats_.decode_requests = int(scheduled.size()) - num_context;
-    stats_.preemptions = scheduler_->num_preemptions();
     stats_.prompt_tokens += prompt_tokens;
     stats_.generated_tokens += generated;
-    stats_.kv = kv_->stats();
+    refresh_stats_locked();
   }
   emit(std::move(responses));
 }

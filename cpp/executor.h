@@ -71,6 +71,7 @@ class Executor {
   void finish(RequestState& r, FinishReason reason, Response& response, const std::string& error = {});
   void validate(const Request& request) const;
   void emit(std::vector<Response>&& responses);
+  void refresh_stats_locked();  // caller holds mutex_
 
   ExecutorConfig config_;
   std::shared_ptr<ModelRunner> runner_;

@@ -12,4 +12,12 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):  # `precast.LLM` without importing the runtime on `import precast`
+    if name in ("LLM", "SamplingParams", "RequestOutput"):
+        from precast import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'precast' has no attribute {name!r}")

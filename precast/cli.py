@@ -1,4 +1,4 @@
-"""The `precast` command line: `precast build`, `precast inspect`."""
+"""The `precast` command line: `precast build`, `precast inspect`, `precast run`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,48 @@ def _inspect(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
 
 
+def _run(args: argparse.Namespace) -> None:
+    from precast.runtime import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    with LLM(args.engine, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads) as llm:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        if args.stream:
+            out = None
+            for out in llm.stream(prompt, params):
+                print(out.delta, end="", flush=True)
+            print()
+        else:
+            out = llm.generate(prompt, params)
+            print(out.text)
+        if out is not None and out.error:
+            raise PrecastError(out.error)
+        if args.verbose and out is not None:
+            print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}]", file=sys.stderr)
+
+
+def _memory_size(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    for suffix, factor in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * factor)
+    return int(float(t))
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="precast", description="Build and run quantized LLM engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +107,27 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("engine", help="engine directory")
     i.add_argument("--json", action="store_true", help="print machine-readable JSON")
     i.set_defaults(func=_inspect)
+
+    r = sub.add_parser("run", help="generate text with an engine")
+    r.add_argument("engine", help="engine directory")
+    r.add_argument("--prompt", required=True, help="the prompt text")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template as a user message")
+    r.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    r.add_argument("--max-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--min-p", type=float, default=0.0)
+    r.add_argument("--repetition-penalty", type=float, default=1.0)
+    r.add_argument("--presence-penalty", type=float, default=0.0)
+    r.add_argument("--frequency-penalty", type=float, default=0.0)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--ignore-eos", action="store_true")
+    r.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB (default: a quarter of free RAM)")
+    r.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
+    r.add_argument("--verbose", action="store_true", help="print token count and finish reason to stderr")
+    r.set_defaults(func=_run)
     return parser
 
 

@@ -1,0 +1,331 @@
+"""precast.LLM: the Python API over one C++ Executor.
+
+One dispatcher thread waits on the executor (without the GIL) and hands each response
+to the request it belongs to: a queue for the blocking APIs, an asyncio future-backed
+queue for coroutines. So many concurrent requests, sync or async, cost one thread.
+
+    llm = LLM("engines/smollm2")
+    print(llm.generate("The capital of France is", SamplingParams(temperature=0)).text)
+    for out in llm.stream("Tell me a story", SamplingParams(max_tokens=64)):
+        print(out.delta, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from precast import _C
+from precast.builder.engine import Engine, load_engine
+from precast.errors import PrecastError
+from precast.runtime.detokenizer import IncrementalDetokenizer
+from precast.runtime.sampling_params import SamplingParams
+from precast.runtime.tokenizer import Tokenizer
+
+_FINISH_REASONS = {
+    _C.FinishReason.LENGTH: "length",
+    _C.FinishReason.STOP: "stop",
+    _C.FinishReason.CANCELLED: "cancelled",
+    _C.FinishReason.ERROR: "error",
+}
+DEFAULT_KV_FRACTION = 0.25  # of available RAM, when no --kv-cache-memory is given
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a response: cumulative text and ids, plus what is new."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    delta: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # "length", "stop", "cancelled", "error"
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Tracker:
+    """Turns one request's raw responses into RequestOutputs (text, stop strings)."""
+
+    def __init__(self, llm: LLM, request_id: int, prompt_ids: list[int], params: SamplingParams):
+        self.llm = llm
+        self.out = RequestOutput(request_id, prompt_ids)
+        self.detok = (
+            IncrementalDetokenizer(llm.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+            if llm.tokenizer is not None
+            else None
+        )
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
+
+    def update(self, resp: Any) -> RequestOutput | None:
+        """The request's new state, or None once it already ended (a stop string ends it
+        before the executor's own final response arrives)."""
+        o = self.out
+        if o.finished:
+            return None
+        new = list(resp.new_tokens)
+        o.token_ids += new
+        o.delta_token_ids = new
+        o.logprobs += list(resp.logprobs)
+        o.top_logprobs += [list(t) for t in resp.top_logprobs]
+        o.num_cached_tokens = max(o.num_cached_tokens, resp.num_cached_prompt_tokens)
+        finished = resp.finished
+        if finished:
+            o.finish_reason = _FINISH_REASONS[resp.finish_reason]
+            o.error = resp.error or None
+        o.delta = ""
+        if self.detok is not None:
+            # A stop token ends the request but is not part of the text.
+            shown = new[:-1] if finished and o.finish_reason == "stop" and new and new[-1] in self.stop_ids else new
+            o.delta = self.detok.add(shown, final=finished)
+            if self.detok.stopped:
+                # A stop string: the text is cut there and the request ends now.
+                if not finished:
+                    self.llm._executor.cancel(o.request_id)
+                o.finish_reason = "stop"
+            o.text = self.detok.text
+        return RequestOutput(**{k: (list(v) if isinstance(v, list) else v) for k, v in o.__dict__.items()})
+
+
+class LLM:
+    def __init__(
+        self,
+        engine: str | Path,
+        *,
+        backend: str = "cpu",
+        kv_cache_memory: int | None = None,
+        num_threads: int | None = None,
+        max_batch_size: int | None = None,
+        max_num_tokens: int | None = None,
+        chunked_prefill: bool = True,
+        prefix_reuse: bool = True,
+    ) -> None:
+        self.engine: Engine = load_engine(engine)
+        limits = self.engine.config.limits
+        if backend != "cpu":
+            raise PrecastError(f"backend {backend!r} is not available in this build; available: cpu")
+        from precast.runtime.cpu_backend import make_cpu_runner
+
+        self._runner = make_cpu_runner(self.engine, num_threads)
+        self.tokenizer = Tokenizer(self.engine) if self.engine.config.tokenizer else None
+        self.eos_token_ids: list[int] = list((self.engine.config.tokenizer or {}).get("eos_token_ids") or [])
+
+        config = _C.ExecutorConfig()
+        config.max_batch_size = _within("max_batch_size", max_batch_size, limits.max_batch_size)
+        config.max_num_tokens = _within("max_num_tokens", max_num_tokens, limits.max_num_tokens)
+        config.max_seq_len = limits.max_seq_len
+        config.tokens_per_block = limits.tokens_per_block
+        config.chunked_prefill = chunked_prefill
+        config.prefix_reuse = prefix_reuse
+        config.eos_token_ids = self.eos_token_ids
+        config.kv_cache_bytes = kv_cache_memory if kv_cache_memory is not None else self._default_kv_bytes(config)
+        try:
+            self._executor = _C.Executor(config, self._runner)
+        except ValueError as e:
+            raise PrecastError(str(e)) from e
+        self.max_seq_len = limits.max_seq_len
+        self._lock = threading.Lock()
+        self._sinks: dict[int, Callable[[Any], None]] = {}
+        self._closed = False
+        self._dispatcher = threading.Thread(target=self._dispatch, name="precast-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    def _default_kv_bytes(self, config: Any) -> int:
+        """Enough for every request at full length, capped at a quarter of available RAM."""
+        full = config.max_batch_size * config.max_seq_len
+        per_token = self._runner.kv_block_bytes(1)
+        try:
+            import os
+
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = 8 << 30
+        return int(min(full * per_token, available * DEFAULT_KV_FRACTION))
+
+    # ---- requests -------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PrecastError("this engine has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
+            raise PrecastError("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams, streaming: bool) -> Any:
+        params.validate()
+        req = _C.Request()
+        req.prompt = prompt_ids
+        req.max_tokens = params.max_tokens
+        req.min_tokens = params.min_tokens
+        req.stop_token_ids = list(params.stop_token_ids)
+        req.ignore_eos = params.ignore_eos
+        # Stop strings are found in Python, token by token, so such requests always stream.
+        req.streaming = streaming or bool(params.stop)
+        req.priority = params.priority
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise PrecastError("bad_words need a tokenizer")
+            words = set()
+            for w in params.bad_words:  # the word alone and after a space tokenize differently
+                for variant in (w, " " + w.lstrip()):
+                    words.add(tuple(self.tokenizer.encode(variant, add_special_tokens=False)))
+            req.bad_words = [list(w) for w in words if w]
+        s = _C.SamplingParams()
+        s.temperature = params.temperature
+        s.top_k = params.top_k
+        s.top_p = params.top_p
+        s.min_p = params.min_p
+        s.repetition_penalty = params.repetition_penalty
+        s.presence_penalty = params.presence_penalty
+        s.frequency_penalty = params.frequency_penalty
+        s.seed = params.seed
+        s.top_logprobs = -1 if params.logprobs is None else params.logprobs
+        req.sampling = s
+        return req
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams, streaming: bool, sink_for: Callable[[_Tracker], Callable[[Any], None]]) -> _Tracker:
+        if self._closed:
+            raise PrecastError("this LLM has been shut down")
+        prompt_ids = self._prompt_ids(prompt)
+        req = self._request(prompt_ids, params, streaming)
+        with self._lock:  # the dispatcher routes nothing for this id before its sink exists
+            try:
+                request_id = self._executor.enqueue(req)
+            except ValueError as e:
+                raise PrecastError(str(e)) from e
+            tracker = _Tracker(self, request_id, prompt_ids, params)
+            self._sinks[request_id] = sink_for(tracker)
+        return tracker
+
+    def _dispatch(self) -> None:
+        while not self._closed:
+            for resp in self._executor.await_responses(0.1):
+                with self._lock:
+                    sink = self._sinks.get(resp.request_id)
+                    if resp.finished:
+                        self._sinks.pop(resp.request_id, None)
+                if sink is not None:
+                    sink(resp)
+
+    # ---- blocking API ---------------------------------------------------------------
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None) -> Any:
+        """Generate for one prompt (returns a RequestOutput) or a list (returns a list), all in flight together."""
+        params = params or SamplingParams()
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        done: queue.Queue[RequestOutput] = queue.Queue()
+        trackers = []
+        for p in batch:
+            trackers.append(self._submit(p, params, False, lambda t: (lambda r, t=t: _put(done.put, t.update(r)))))
+        results: dict[int, RequestOutput] = {}
+        while len(results) < len(trackers):
+            out = done.get()
+            if out.finished:
+                results[out.request_id] = out
+        ordered = [results[t.out.request_id] for t in trackers]
+        return ordered[0] if single else ordered
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput per generated token (delta = the new text); the last one is finished.
+        Closing the iterator early cancels the request."""
+        updates: queue.Queue[RequestOutput] = queue.Queue()
+        tracker = self._submit(prompt, params or SamplingParams(), True, lambda t: (lambda r: _put(updates.put, t.update(r))))
+        finished = False
+        try:
+            while not finished:
+                out = updates.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.cancel(tracker.out.request_id)
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate(self.apply_chat_template(messages), params)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise PrecastError("this engine has no tokenizer")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- asyncio API ----------------------------------------------------------------
+    async def generate_async(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Async stream of RequestOutputs for one request; cancelling the consumer cancels the request."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink_for(t: _Tracker) -> Callable[[Any], None]:
+            def sink(r: Any) -> None:
+                out = t.update(r)
+                if out is not None:
+                    loop.call_soon_threadsafe(updates.put_nowait, out)
+
+            return sink
+
+        tracker = self._submit(prompt, params or SamplingParams(), True, sink_for)
+        finished = False
+        try:
+            while not finished:
+                out = await updates.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.cancel(tracker.out.request_id)
+
+    # ---- control --------------------------------------------------------------------
+    def cancel(self, request_id: int) -> bool:
+        return self._executor.cancel(request_id)
+
+    def stats(self) -> Any:
+        return self._executor.stats()
+
+    def check_integrity(self) -> None:
+        self._executor.check_integrity()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown()
+        self._dispatcher.join(timeout=5)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _put(put: Callable[[RequestOutput], None], out: RequestOutput | None) -> None:
+    if out is not None:
+        put(out)
+
+
+def _within(name: str, value: int | None, limit: int) -> int:
+    if value is None:
+        return limit
+    if not 1 <= value <= limit:
+        raise PrecastError(f"{name}={value} is outside the engine's build limit (1..{limit}); rebuild with a larger --{name.replace('_', '-')}")
+    return value
