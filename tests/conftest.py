@@ -89,3 +89,43 @@ def smollm2_hf_dir(smollm2_gguf, smollm2_hf_model, tmp_path_factory) -> Path:
     smollm2_hf_model.save_pretrained(out)
     AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """name -> float32 engine built from each tiny checkpoint."""
+    from precast.builder.build import BuildOptions, build_engine
+
+    root = tmp_path_factory.mktemp("tiny-engines")
+    for name, ckpt in tiny_checkpoints.items():
+        build_engine(BuildOptions(ckpt, root / name, max_seq_len=256, max_batch_size=32, progress=False))
+    return {name: root / name for name in tiny_checkpoints}
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a float32 engine (exact: the GGUF's dequantized values)."""
+    from precast.builder.build import BuildOptions, build_engine
+
+    out = tmp_path_factory.mktemp("smollm2") / "fp32"
+    build_engine(BuildOptions(smollm2_gguf, out, max_seq_len=2048, progress=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_engine(smollm2_gguf, tmp_path_factory) -> Path:
+    from precast.builder.build import BuildOptions, build_engine
+
+    out = tmp_path_factory.mktemp("smollm2") / "bf16"
+    build_engine(BuildOptions(smollm2_gguf, out, dtype="bfloat16", max_seq_len=2048, progress=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_bf16_engine):
+    """One shared LLM on the bf16 engine (fast) for executor-behaviour tests."""
+    from precast.runtime import LLM
+
+    llm = LLM(smollm2_bf16_engine, kv_cache_memory=1 << 30)
+    yield llm
+    llm.shutdown()

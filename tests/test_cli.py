@@ -44,3 +44,17 @@ def test_errors_are_one_line_without_traceback(args, message):
     r = precast(*args)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_chat_prints_the_answer(smollm2_bf16_engine):
+    r = precast("run", str(smollm2_bf16_engine), "--prompt", "What is the capital of France?", "--chat", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "The capital of France is Paris."
+    assert "finish: stop" in r.stderr
+    r = precast("run", str(smollm2_bf16_engine), "--prompt", "What is the capital of France?", "--chat", "--stream")
+    assert r.stdout.strip() == "The capital of France is Paris."
+
+
+def test_run_rejects_bad_values(smollm2_bf16_engine):
+    r = precast("run", str(smollm2_bf16_engine), "--prompt", "Hi", "--top-p", "0")
+    assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,139 @@
+"""precast against HF transformers on SmolLM2-135M-Instruct, same dtype, same threads, one run.
+
+Measures, for each dtype (float32, bfloat16):
+  decode   batch-1 decode tokens/s (128 tokens after a short chat prompt, prefill excluded)
+  prefill  tokens/s on a 512-token prompt (one forward pass producing the first token)
+  32-way   output tokens/s with 32 concurrent requests of 128 prompt / 128 output tokens
+           (HF: one padded batch through `generate`)
+Each number is the median of --repeats runs; the spread (min..max) is printed beside it.
+
+    python benchmarks/generate_cpu.py [--dtypes float32 bfloat16] [--repeats 3] [--threads N] [--skip-hf-batch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 512
+BATCH, BATCH_IN, BATCH_OUT = 32, 128, 128
+
+
+def median_spread(values: list[float]) -> tuple[float, str]:
+    return statistics.median(values), f"{min(values):.1f}..{max(values):.1f}"
+
+
+def bench_precast(engine: Path, threads: int, repeats: int, prompt_ids: list[int]) -> dict[str, list[float]]:
+    from precast.runtime import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    long_prompt = rng.integers(100, 40000, PREFILL_TOKENS).tolist()
+    results: dict[str, list[float]] = {"decode": [], "prefill": [], "batch": []}
+    with LLM(engine, num_threads=threads, prefix_reuse=False, kv_cache_memory=2 << 30) as llm:
+        llm.generate(prompt_ids, SamplingParams(max_tokens=8))  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            first = None
+            for out in llm.stream(prompt_ids, SamplingParams(temperature=0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True)):
+                if first is None:
+                    first = time.perf_counter()
+            results["decode"].append(DECODE_TOKENS / (time.perf_counter() - first))
+
+            t0 = time.perf_counter()
+            llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=1))
+            results["prefill"].append(PREFILL_TOKENS / (time.perf_counter() - t0))
+
+            prompts = [rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=BATCH_OUT, ignore_eos=True))
+            assert all(len(o.token_ids) == BATCH_OUT for o in outs)
+            results["batch"].append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
+    return results
+
+
+def bench_hf(model, threads: int, repeats: int, prompt_ids: list[int], batch: bool) -> dict[str, list[float]]:
+    import torch
+
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    long_prompt = torch.tensor([rng.integers(100, 40000, PREFILL_TOKENS).tolist()])
+    ids = torch.tensor([prompt_ids])
+    results: dict[str, list[float]] = {"decode": [], "prefill": [], "batch": []}
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, **kw)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, **kw)
+            t1 = time.perf_counter()
+            model.generate(ids, max_new_tokens=DECODE_TOKENS + 1, **kw)
+            t2 = time.perf_counter()
+            results["decode"].append(DECODE_TOKENS / ((t2 - t1) - (t1 - t0)))
+
+            t0 = time.perf_counter()
+            model(long_prompt)
+            results["prefill"].append(PREFILL_TOKENS / (time.perf_counter() - t0))
+
+            if batch:
+                prompts = torch.tensor([rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)])
+                t0 = time.perf_counter()
+                model.generate(prompts, max_new_tokens=BATCH_OUT, attention_mask=torch.ones_like(prompts), **kw)
+                results["batch"].append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
+    parser.add_argument("--skip-hf-batch", action="store_true", help="skip HF's 32-way batch (slow)")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from precast.builder.build import BuildOptions, build_engine
+    from precast.packaged import packaged_model_path
+    from precast.runtime.cpu_backend import default_num_threads
+    from precast.runtime.tokenizer import Tokenizer
+    from precast.builder.engine import load_engine
+
+    threads = args.threads or default_num_threads()
+    gguf = packaged_model_path("smollm2-135m-instruct")
+    hf_fp32 = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes:
+            engine = Path(tmp) / dtype
+            build_engine(BuildOptions(gguf, engine, dtype=dtype, max_seq_len=2048, progress=False))
+            tok = Tokenizer(load_engine(engine))
+            prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}]), add_special_tokens=False)
+            ours = bench_precast(engine, threads, args.repeats, prompt)
+            hf_model = hf_fp32 if dtype == "float32" else hf_fp32.to(torch.bfloat16)
+            theirs = bench_hf(hf_model, threads, args.repeats, prompt, not args.skip_hf_batch)
+            hf_decode = statistics.median(theirs["decode"])
+            for key, label in (("decode", "batch-1 decode tok/s"), ("prefill", f"prefill tok/s ({PREFILL_TOKENS} tokens)"), ("batch", f"{BATCH}-way output tok/s ({BATCH_IN} in / {BATCH_OUT} out)")):
+                p, p_spread = median_spread(ours[key])
+                if theirs[key]:
+                    h, h_spread = median_spread(theirs[key])
+                    ratio = f"{p / h:.2f}x"
+                else:
+                    h, h_spread, ratio = float("nan"), "skipped", "-"
+                extra = f"{p / hf_decode:.1f}x HF batch-1" if key == "batch" else ""
+                rows.append((dtype, label, f"{p:.1f} ({p_spread})", f"{h:.1f} ({h_spread})", ratio, extra))
+    print(f"\nSmolLM2-135M-Instruct, {threads} threads, median of {args.repeats} (min..max)\n")
+    print("| dtype | measure | precast | HF transformers | precast / HF | note |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The CPU runner against HF transformers: greedy tokens and log-probabilities."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from precast.runtime import LLM, SamplingParams
+from tests.conftest import TINY_CONFIGS
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """HF greedy continuation and the log-softmax of its first step."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+        )
+    first = torch.log_softmax(out.scores[0][0].float(), dim=-1).numpy()
+    return out.sequences[0, len(prompt_ids):].tolist(), first
+
+
+def check_first_step_logprobs(ours, hf_logprobs: np.ndarray) -> None:
+    """Our top-20 log-probs of the first step equal HF's for the same tokens."""
+    top = ours.top_logprobs[0]
+    ids = [t for t, _ in top]
+    np.testing.assert_allclose([lp for _, lp in top], hf_logprobs[ids], atol=2e-4)
+    assert ids[0] == int(np.argmax(hf_logprobs))
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_tiny_models_greedy_match_hf(name, tiny_checkpoints, tiny_engines):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    vocab = TINY_CONFIGS[name][1]["vocab_size"]
+    # Prompts longer than the sliding windows (8 and 16 tokens) and shorter ones.
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 7, 23, 41)]
+    with LLM(tiny_engines[name], kv_cache_memory=64 << 20) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=20))
+    for prompt, ours in zip(prompts, outs):
+        want, first = hf_greedy(model, prompt, 64)
+        assert ours.token_ids == want, f"{name}, prompt of {len(prompt)} tokens"
+        check_first_step_logprobs(ours, first)
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the ocean.",
+    "Explain what a neural network is in two sentences.",
+    "List three fruits.",
+]
+
+
+def test_smollm2_fp32_greedy_matches_hf(smollm2_engine, smollm2_hf_model):
+    with LLM(smollm2_engine, kv_cache_memory=1 << 30) as llm:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=20))
+        assert outs[0].text.startswith("The capital of France is Paris.")
+    for prompt, ours in zip(prompts, outs):
+        want, first = hf_greedy(smollm2_hf_model, prompt, 64)
+        assert ours.token_ids == want
+        check_first_step_logprobs(ours, first)
+
+
+def test_smollm2_bf16_is_close(smollm2_bf16_engine, smollm2_hf_model):
+    """A bf16 engine holds bf16 weights and computes in float32: it must match HF run on
+    the same bf16-rounded weights in float32, and stay close to the fp32 model."""
+    import copy
+
+    rounded = copy.deepcopy(smollm2_hf_model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(torch.bfloat16).float())
+    with LLM(smollm2_bf16_engine, kv_cache_memory=1 << 30) as llm:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:2]]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20))
+        assert outs[0].text.startswith("The capital of France is Paris.")
+    for prompt, ours in zip(prompts, outs):
+        want, first = hf_greedy(rounded, prompt, 32)
+        assert ours.token_ids == want
+        check_first_step_logprobs(ours, first)
+        _, fp32_first = hf_greedy(smollm2_hf_model, prompt, 1)
+        top = [t for t, _ in ours.top_logprobs[0]][:5]
+        assert np.abs(np.array([lp for _, lp in ours.top_logprobs[0][:5]]) - fp32_first[top]).max() < 0.1
