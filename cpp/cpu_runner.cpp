@@ -16,57 +16,62 @@ CpuRunner::CpuRunner(CpuModelConfig config) : config_(std::move(config)), pool_(
   if (int(c.inv_freq.size()) != c.head_dim / 2) throw std::invalid_argument("inv_freq must have head_dim / 2 entries");
 }
 
-size_t CpuRunner::expected_bytes(const std::string& name) const {
+std::pair<int, int> CpuRunner::expected_shape(const std::string& name) const {
   const CpuModelConfig& c = config_;
-  const size_t half = c.dtype == WeightDtype::kF32 ? 4 : 2;
-  const size_t q = size_t(c.num_heads) * c.head_dim, kv = size_t(c.num_kv_heads) * c.head_dim, h = c.hidden_size;
-  auto ends = [&](const char* suffix) { return name.size() >= std::strlen(suffix) && name.compare(name.size() - std::strlen(suffix), std::string::npos, suffix) == 0; };
-  if (name == "embed.weight" || name == "lm_head.weight") return size_t(c.vocab_size) * h * half;
-  if (name == "final_norm.weight" || ends(".attn_norm.weight") || ends(".mlp_norm.weight")) return h * 4;
-  if (ends(".attn.qkv.weight")) return (q + 2 * kv) * h * half;
-  if (ends(".attn.qkv.bias")) return (q + 2 * kv) * 4;
-  if (ends(".attn.q_norm.weight") || ends(".attn.k_norm.weight")) return size_t(c.head_dim) * 4;
-  if (ends(".attn.o.weight")) return h * q * half;
-  if (ends(".mlp.gate_up.weight")) return 2 * size_t(c.intermediate_size) * h * half;
-  if (ends(".mlp.down.weight")) return h * c.intermediate_size * half;
+  const int q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim, h = c.hidden_size;
+  auto ends = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), std::string::npos, suffix) == 0;
+  };
+  if (name == "embed.weight" || name == "lm_head.weight") return {c.vocab_size, h};
+  if (name == "final_norm.weight" || ends(".attn_norm.weight") || ends(".mlp_norm.weight")) return {-1, h};
+  if (ends(".attn.qkv.weight")) return {q + 2 * kv, h};
+  if (ends(".attn.qkv.bias")) return {-1, q + 2 * kv};
+  if (ends(".attn.q_norm.weight") || ends(".attn.k_norm.weight")) return {-1, c.head_dim};
+  if (ends(".attn.o.weight")) return {h, q};
+  if (ends(".mlp.gate_up.weight")) return {2 * c.intermediate_size, h};
+  if (ends(".mlp.down.weight")) return {h, c.intermediate_size};
   throw std::invalid_argument("unknown weight " + name);
 }
 
 void CpuRunner::set_weight(const std::string& name, const void* data, size_t nbytes) {
   PRECAST_CHECK(!finalized_, "weights are frozen after finalize()");
-  const size_t want = expected_bytes(name);
+  const auto [rows, cols] = expected_shape(name);
+  const size_t elem = rows < 0 || config_.dtype == WeightDtype::kF32 ? 4 : 2;
+  const size_t want = size_t(rows < 0 ? 1 : rows) * size_t(cols) * elem;
   if (nbytes != want) throw std::invalid_argument(name + ": got " + std::to_string(nbytes) + " bytes, expected " + std::to_string(want));
-  auto& buf = weights_[name];
-  buf.resize(nbytes);
-  std::memcpy(buf.data(), data, nbytes);
+  if (rows < 0) {
+    const float* f = static_cast<const float*>(data);
+    vectors_[name].assign(f, f + cols);
+  } else {
+    matrices_[name] = PackedMatrix::pack(data, config_.dtype, rows, cols);
+  }
 }
 
-WeightView CpuRunner::matrix(const std::string& name, int rows, int cols) const {
-  auto it = weights_.find(name);
-  if (it == weights_.end()) throw std::invalid_argument("missing weight " + name);
-  return WeightView{it->second.data(), config_.dtype, rows, cols};
+const PackedMatrix* CpuRunner::matrix(const std::string& name) const {
+  auto it = matrices_.find(name);
+  if (it == matrices_.end()) throw std::invalid_argument("missing weight " + name);
+  return &it->second;
 }
 
 const float* CpuRunner::vector(const std::string& name) const {
-  auto it = weights_.find(name);
-  if (it == weights_.end()) throw std::invalid_argument("missing weight " + name);
-  return reinterpret_cast<const float*>(it->second.data());
+  auto it = vectors_.find(name);
+  if (it == vectors_.end()) throw std::invalid_argument("missing weight " + name);
+  return it->second.data();
 }
 
 void CpuRunner::finalize() {
   const CpuModelConfig& c = config_;
-  const int q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  embed_ = matrix("embed.weight", c.vocab_size, c.hidden_size);
-  lm_head_ = c.tie_word_embeddings ? embed_ : matrix("lm_head.weight", c.vocab_size, c.hidden_size);
+  embed_ = matrix("embed.weight");
+  lm_head_ = c.tie_word_embeddings ? embed_ : matrix("lm_head.weight");
   final_norm_ = vector("final_norm.weight");
   layers_.clear();
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer l;
-    l.qkv = matrix(p + "attn.qkv.weight", q + 2 * kv, c.hidden_size);
-    l.o = matrix(p + "attn.o.weight", c.hidden_size, q);
-    l.gate_up = matrix(p + "mlp.gate_up.weight", 2 * c.intermediate_size, c.hidden_size);
-    l.down = matrix(p + "mlp.down.weight", c.hidden_size, c.intermediate_size);
+    l.qkv = matrix(p + "attn.qkv.weight");
+    l.o = matrix(p + "attn.o.weight");
+    l.gate_up = matrix(p + "mlp.gate_up.weight");
+    l.down = matrix(p + "mlp.down.weight");
     l.attn_norm = vector(p + "attn_norm.weight");
     l.mlp_norm = vector(p + "mlp_norm.weight");
     if (c.qkv_bias) l.qkv_bias = vector(p + "attn.qkv.bias");
@@ -119,7 +124,7 @@ std::vector<float> CpuRunner::forward(const Batch& batch) {
   }
   for (int t = 0; t < T; ++t) {
     PRECAST_CHECK(batch.token_ids[t] >= 0 && batch.token_ids[t] < c.vocab_size, "token id out of range");
-    embedding_row(embed_, batch.token_ids[t], x_.data() + size_t(t) * H);
+    matrix_row(*embed_, batch.token_ids[t], x_.data() + size_t(t) * H);
   }
   const float scale = 1.0f / std::sqrt(float(D));
   auto rows_parallel = [&](int n, auto&& fn) { pool_.parallel_for(n, [&](int64_t b, int64_t e) { fn(int(b), int(e - b)); }); };
@@ -128,7 +133,7 @@ std::vector<float> CpuRunner::forward(const Batch& batch) {
     const Layer& L = layers_[li];
     PagedKvLayer cache{k_cache_[li].get(), v_cache_[li].get(), tokens_per_block_, c.num_kv_heads, D};
     rows_parallel(T, [&](int r, int n) { rms_norm(x_.data() + size_t(r) * H, L.attn_norm, n, H, c.norm_eps, h_.data() + size_t(r) * H); });
-    linear(pool_, h_.data(), T, L.qkv, L.qkv_bias, qkv_.data());
+    linear(pool_, h_.data(), T, *L.qkv, L.qkv_bias, qkv_.data());
     rows_parallel(T, [&](int r0, int n) {
       for (int t = r0; t < r0 + n; ++t) {
         float* q = qkv_.data() + size_t(t) * qkv_size;
@@ -143,12 +148,12 @@ std::vector<float> CpuRunner::forward(const Batch& batch) {
       }
     });
     paged_attention(pool_, cache, seqs, qkv_.data(), qkv_size, c.num_heads, L.sliding ? c.sliding_window : 0, scale, attn_.data());
-    linear(pool_, attn_.data(), T, L.o, nullptr, tmp_.data());
+    linear(pool_, attn_.data(), T, *L.o, nullptr, tmp_.data());
     for (size_t i = 0; i < size_t(T) * H; ++i) x_[i] += tmp_[i];
     rows_parallel(T, [&](int r, int n) { rms_norm(x_.data() + size_t(r) * H, L.mlp_norm, n, H, c.norm_eps, h_.data() + size_t(r) * H); });
-    linear(pool_, h_.data(), T, L.gate_up, nullptr, gate_up_.data());
+    linear(pool_, h_.data(), T, *L.gate_up, nullptr, gate_up_.data());
     rows_parallel(T, [&](int r, int n) { silu_and_mul(gate_up_.data() + size_t(r) * 2 * inter, n, inter, act_.data() + size_t(r) * inter); });
-    linear(pool_, act_.data(), T, L.down, nullptr, tmp_.data());
+    linear(pool_, act_.data(), T, *L.down, nullptr, tmp_.data());
     for (size_t i = 0; i < size_t(T) * H; ++i) x_[i] += tmp_[i];
   }
 
@@ -163,7 +168,7 @@ std::vector<float> CpuRunner::forward(const Batch& batch) {
   std::vector<float> normed(last.size());
   rms_norm(last.data(), final_norm_, S, H, c.norm_eps, normed.data());
   std::vector<float> logits(size_t(S) * c.vocab_size);
-  linear(pool_, normed.data(), S, lm_head_, nullptr, logits.data());
+  linear(pool_, normed.data(), S, *lm_head_, nullptr, logits.data());
   return logits;
 }
 

@@ -1,7 +1,7 @@
 // The CPU model runner: the generic decoder of builder/spec.py over a packed batch.
 //
-// Weights are copied in once (set_weight, canonical engine names) and stay in the
-// engine's dtype; KV lives in per-layer paged float32 pools whose block ids the KV
+// Weights are copied in once (set_weight, canonical engine names), repacked into the
+// kernels' panel layout and kept in the engine's dtype; KV lives in per-layer paged float32 pools whose block ids the KV
 // manager hands out. Logits are computed only for sequences that sample.
 #pragma once
 
@@ -55,7 +55,7 @@ class CpuRunner : public ModelRunner {
 
  private:
   struct Layer {
-    WeightView qkv, o, gate_up, down;
+    const PackedMatrix *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
     const float* qkv_bias = nullptr;
     const float* attn_norm = nullptr;
     const float* mlp_norm = nullptr;
@@ -63,15 +63,18 @@ class CpuRunner : public ModelRunner {
     const float* k_norm = nullptr;
     bool sliding = false;
   };
-  size_t expected_bytes(const std::string& name) const;
-  WeightView matrix(const std::string& name, int rows, int cols) const;
+  // (rows, cols) of a matrix weight, or rows = -1 for a float32 vector of `cols` values.
+  std::pair<int, int> expected_shape(const std::string& name) const;
+  const PackedMatrix* matrix(const std::string& name) const;
   const float* vector(const std::string& name) const;
 
   CpuModelConfig config_;
   ThreadPool pool_;
-  std::unordered_map<std::string, std::vector<uint8_t>> weights_;
+  std::unordered_map<std::string, PackedMatrix> matrices_;
+  std::unordered_map<std::string, std::vector<float>> vectors_;
   std::vector<Layer> layers_;
-  WeightView embed_, lm_head_;
+  const PackedMatrix* embed_ = nullptr;
+  const PackedMatrix* lm_head_ = nullptr;
   const float* final_norm_ = nullptr;
   bool finalized_ = false;
   // KV pools, one K and one V per layer. Left uninitialized on purpose: a position is

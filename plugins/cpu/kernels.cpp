@@ -52,102 +52,123 @@ inline float load_scalar(const void* base, int64_t i) {
 
 #ifdef PRECAST_AVX512
 template <WeightDtype DT>
-inline __m512 load16(const void* base, int64_t i, __mmask16 mask) {
+inline __m512 load16(const void* base, int64_t i) {
   if constexpr (DT == WeightDtype::kF32) {
-    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + i);
+    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
   } else {
-    __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + i);
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
     if constexpr (DT == WeightDtype::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
   }
 }
 
-// NR input rows x NO weight rows: each dot product is a chain of 16-wide FMAs over the
-// input dimension followed by one horizontal sum, identical for every tile shape.
-template <WeightDtype DT, int NR, int NO>
-inline void tile(const float* x, int64_t x_stride, const void* w, int64_t o0, int cols, const float* bias, float* y,
-                 int64_t y_stride) {
-  __m512 acc[NR][NO];
+// NR input rows x one 64-output panel: 4 x NR accumulators, one broadcast FMA per input
+// element and output vector.
+template <WeightDtype DT, int NR>
+inline void panel_kernel(const float* x, int64_t x_stride, const void* panel, int cols, int valid, const float* bias,
+                         float* y, int64_t y_stride) {
+  __m512 acc[NR][4];
   for (int r = 0; r < NR; ++r)
-    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
-  for (int i = 0; i < cols; i += 16) {
-    const __mmask16 mask = cols - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cols - i)) - 1);
-    __m512 wv[NO];
-    for (int o = 0; o < NO; ++o) wv[o] = load16<DT>(w, (o0 + o) * int64_t(cols) + i, mask);
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int i = 0; i < cols; ++i) {
+    const int64_t off = int64_t(i) * kPanel;
+    const __m512 w0 = load16<DT>(panel, off), w1 = load16<DT>(panel, off + 16);
+    const __m512 w2 = load16<DT>(panel, off + 32), w3 = load16<DT>(panel, off + 48);
     for (int r = 0; r < NR; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * x_stride + i);
-      for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
+      const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
+      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int o = 0; o < NO; ++o) y[r * y_stride + o0 + o] = _mm512_reduce_add_ps(acc[r][o]) + (bias ? bias[o0 + o] : 0.0f);
-}
-
-template <WeightDtype DT, int NR>
-inline void tile_rows(const float* x, int64_t x_stride, const void* w, int64_t o0, int no, int cols, const float* bias,
-                      float* y, int64_t y_stride) {
-  switch (no) {
-    case 4: tile<DT, NR, 4>(x, x_stride, w, o0, cols, bias, y, y_stride); break;
-    case 3: tile<DT, NR, 3>(x, x_stride, w, o0, cols, bias, y, y_stride); break;
-    case 2: tile<DT, NR, 2>(x, x_stride, w, o0, cols, bias, y, y_stride); break;
-    default: tile<DT, NR, 1>(x, x_stride, w, o0, cols, bias, y, y_stride); break;
+  for (int v = 0; v < 4; ++v) {
+    const int n = std::min(16, valid - v * 16);
+    if (n <= 0) break;
+    const __mmask16 mask = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, mask, _mm512_add_ps(acc[r][v], b));
   }
 }
 #endif
 
-// Output rows [o_begin, o_end) for all input rows. Weight rows are taken in blocks small
-// enough to stay in L2 while every input row passes over them, so a long prefill reads
-// each weight from memory once.
+// Panels [p_begin, p_end) for all input rows.
 template <WeightDtype DT>
-void linear_range(const float* x, int num_rows, const WeightView& w, const float* bias, float* y, int64_t o_begin,
-                  int64_t o_end) {
+void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y, int64_t p_begin,
+                   int64_t p_end) {
   const int cols = w.cols;
-  const int64_t y_stride = w.rows;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const int valid = int(std::min<int64_t>(kPanel, w.rows - p * kPanel));
+    const uint8_t* panel = w.data.data() + size_t(p) * kPanel * cols * w.element_size();
+    const float* b = bias ? bias + p * kPanel : nullptr;
 #ifdef PRECAST_AVX512
-  const int64_t block = std::max<int64_t>(4, (int64_t(256) * 1024 / (int64_t(cols) * (DT == WeightDtype::kF32 ? 4 : 2))) & ~int64_t(3));
-  for (int64_t b0 = o_begin; b0 < o_end; b0 += block) {
-    const int64_t b1 = std::min(o_end, b0 + block);
-    for (int r = 0; r < num_rows; r += 4) {
-      const int nr = std::min(4, num_rows - r);
+    constexpr int R = 6;  // 24 accumulators + 4 weight vectors fit the 32 registers
+    for (int r = 0; r < num_rows; r += R) {
       const float* xr = x + int64_t(r) * cols;
-      float* yr = y + int64_t(r) * y_stride;
-      for (int64_t o = b0; o < b1; o += 4) {
-        const int no = int(std::min<int64_t>(4, b1 - o));
-        switch (nr) {
-          case 4: tile_rows<DT, 4>(xr, cols, w.data, o, no, cols, bias, yr, y_stride); break;
-          case 3: tile_rows<DT, 3>(xr, cols, w.data, o, no, cols, bias, yr, y_stride); break;
-          case 2: tile_rows<DT, 2>(xr, cols, w.data, o, no, cols, bias, yr, y_stride); break;
-          default: tile_rows<DT, 1>(xr, cols, w.data, o, no, cols, bias, yr, y_stride); break;
-        }
+      float* yr = y + int64_t(r) * w.rows + p * kPanel;
+      switch (std::min(R, num_rows - r)) {
+        case 6: panel_kernel<DT, 6>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
+        case 5: panel_kernel<DT, 5>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
+        case 4: panel_kernel<DT, 4>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
+        case 3: panel_kernel<DT, 3>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
+        case 2: panel_kernel<DT, 2>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
+        default: panel_kernel<DT, 1>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
       }
     }
-  }
 #else
-  for (int r = 0; r < num_rows; ++r) {
-    for (int64_t o = o_begin; o < o_end; ++o) {
-      float acc[16] = {0};
-      for (int i = 0; i < cols; ++i) acc[i % 16] += x[int64_t(r) * cols + i] * load_scalar<DT>(w.data, o * cols + i);
-      float sum = 0;
-      for (float a : acc) sum += a;
-      y[r * y_stride + o] = sum + (bias ? bias[o] : 0.0f);
+    for (int r = 0; r < num_rows; ++r) {
+      float acc[kPanel] = {0};
+      for (int i = 0; i < cols; ++i) {
+        const float xi = x[int64_t(r) * cols + i];
+        for (int j = 0; j < kPanel; ++j) acc[j] += xi * load_scalar<DT>(panel, int64_t(i) * kPanel + j);
+      }
+      for (int j = 0; j < valid; ++j) y[int64_t(r) * w.rows + p * kPanel + j] = acc[j] + (b ? b[j] : 0.0f);
     }
-  }
 #endif
+  }
 }
 
 }  // namespace
 
-void linear(ThreadPool& pool, const float* x, int num_rows, const WeightView& w, const float* bias, float* y) {
-  // Split output features across threads in multiples of 4 (whole tiles).
-  const int64_t quads = (int64_t(w.rows) + 3) / 4;
-  pool.parallel_for(quads, [&](int64_t q0, int64_t q1) {
-    const int64_t o0 = q0 * 4, o1 = std::min<int64_t>(w.rows, q1 * 4);
+PackedMatrix PackedMatrix::pack(const void* row_major, WeightDtype dtype, int rows, int cols) {
+  PackedMatrix m;
+  m.dtype = dtype;
+  m.rows = rows;
+  m.cols = cols;
+  const size_t es = m.element_size();
+  const int64_t panels = (int64_t(rows) + kPanel - 1) / kPanel;
+  m.data.assign(size_t(panels) * kPanel * cols * es, 0);
+  const uint8_t* src = static_cast<const uint8_t*>(row_major);
+  for (int64_t o = 0; o < rows; ++o) {
+    const int64_t p = o / kPanel, j = o % kPanel;
+    for (int64_t i = 0; i < cols; ++i)
+      std::memcpy(m.data.data() + ((p * cols + i) * kPanel + j) * es, src + (o * cols + i) * es, es);
+  }
+  return m;
+}
+
+void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y) {
+  const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
+  pool.parallel_for(panels, [&](int64_t p0, int64_t p1) {
     switch (w.dtype) {
-      case WeightDtype::kF32: linear_range<WeightDtype::kF32>(x, num_rows, w, bias, y, o0, o1); break;
-      case WeightDtype::kBF16: linear_range<WeightDtype::kBF16>(x, num_rows, w, bias, y, o0, o1); break;
-      case WeightDtype::kF16: linear_range<WeightDtype::kF16>(x, num_rows, w, bias, y, o0, o1); break;
+      case WeightDtype::kF32: linear_panels<WeightDtype::kF32>(x, num_rows, w, bias, y, p0, p1); break;
+      case WeightDtype::kBF16: linear_panels<WeightDtype::kBF16>(x, num_rows, w, bias, y, p0, p1); break;
+      case WeightDtype::kF16: linear_panels<WeightDtype::kF16>(x, num_rows, w, bias, y, p0, p1); break;
     }
   });
+}
+
+void matrix_row(const PackedMatrix& w, int row, float* out) {
+  const int64_t p = row / kPanel, j = row % kPanel;
+  const int64_t base = p * w.cols * kPanel + j;
+  for (int i = 0; i < w.cols; ++i) {
+    const int64_t idx = base + int64_t(i) * kPanel;
+    switch (w.dtype) {
+      case WeightDtype::kF32: out[i] = load_scalar<WeightDtype::kF32>(w.data.data(), idx); break;
+      case WeightDtype::kBF16: out[i] = load_scalar<WeightDtype::kBF16>(w.data.data(), idx); break;
+      case WeightDtype::kF16: out[i] = load_scalar<WeightDtype::kF16>(w.data.data(), idx); break;
+    }
+  }
 }
 
 void rms_norm(const float* x, const float* weight, int num_rows, int dim, float eps, float* y) {
@@ -160,17 +181,6 @@ void rms_norm(const float* x, const float* weight, int num_rows, int dim, float 
     for (float a : acc) sum += a;
     const float inv = 1.0f / std::sqrt(sum / float(dim) + eps);
     for (int i = 0; i < dim; ++i) yr[i] = weight[i] * (xr[i] * inv);
-  }
-}
-
-void embedding_row(const WeightView& table, int32_t token, float* out) {
-  const int64_t base = int64_t(token) * table.cols;
-  for (int i = 0; i < table.cols; ++i) {
-    switch (table.dtype) {
-      case WeightDtype::kF32: out[i] = load_scalar<WeightDtype::kF32>(table.data, base + i); break;
-      case WeightDtype::kBF16: out[i] = load_scalar<WeightDtype::kBF16>(table.data, base + i); break;
-      case WeightDtype::kF16: out[i] = load_scalar<WeightDtype::kF16>(table.data, base + i); break;
-    }
   }
 }
 

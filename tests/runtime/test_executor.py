@@ -46,8 +46,8 @@ def test_seed_gives_same_tokens_in_any_batch(smollm2_llm):
     alone = llm.generate("Once upon a time", params).token_ids
     batch = llm.generate(["Once upon a time", *random_prompts(8, seed=3)], params)
     assert batch[0].token_ids == alone
-    other_seed = llm.generate("Once upon a time", SamplingParams(**{**params.__dict__, "seed": 99})).token_ids
-    assert other_seed != alone
+    seeded = {tuple(llm.generate("Once upon a time", SamplingParams(**{**params.__dict__, "seed": s})).token_ids) for s in range(4)}
+    assert len(seeded) > 1  # the seed matters
 
 
 def test_prefix_reuse(smollm2_llm):

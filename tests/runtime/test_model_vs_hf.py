@@ -86,3 +86,23 @@ def test_smollm2_bf16_is_close(smollm2_bf16_engine, smollm2_hf_model):
         _, fp32_first = hf_greedy(smollm2_hf_model, prompt, 1)
         top = [t for t, _ in ours.top_logprobs[0]][:5]
         assert np.abs(np.array([lp for _, lp in ours.top_logprobs[0][:5]]) - fp32_first[top]).max() < 0.1
+
+
+def test_float16_engine_matches_hf_on_the_same_weights(tiny_checkpoints, tmp_path):
+    """float16 storage, float32 compute: equal to HF in float32 on float16-rounded weights."""
+    from transformers import AutoModelForCausalLM
+
+    from precast.builder.build import BuildOptions, build_engine
+
+    build_engine(BuildOptions(tiny_checkpoints["qwen3"], tmp_path / "e", dtype="float16", max_seq_len=256, progress=False))
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen3"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(p.half().float())
+    prompt = list(range(3, 30))
+    with LLM(tmp_path / "e", kv_cache_memory=16 << 20) as llm:
+        ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20))
+    want, first = hf_greedy(model, prompt, 32)
+    assert ours.token_ids == want
+    check_first_step_logprobs(ours, first)
