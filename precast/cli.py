@@ -1,4 +1,4 @@
-"""The `precast` command line: `precast build`, `precast inspect`, `precast run`."""
+"""The `precast` command line: `precast build`, `inspect`, `run`, `serve`, `bench`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,20 @@ def _run(args: argparse.Namespace) -> None:
             print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}]", file=sys.stderr)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from precast.runtime.server.serve import serve
+
+    serve(args.engine, args.host, args.port, model_name=args.served_model_name, api_key=args.api_key,
+          max_concurrency=args.max_concurrency, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
+          log_level=args.log_level)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from precast.runtime.bench import run_bench
+
+    run_bench(args)
+
+
 def _memory_size(text: str) -> int:
     """'2GiB', '512MiB', '1e9' -> bytes."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
@@ -128,6 +142,24 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     r.add_argument("--verbose", action="store_true", help="print token count and finish reason to stderr")
     r.set_defaults(func=_run)
+
+    v = sub.add_parser("serve", help="serve an engine with an OpenAI-compatible HTTP API")
+    v.add_argument("engine", help="engine directory")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", help="the model name clients send (default: the engine directory's name)")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    v.add_argument("--max-concurrency", type=int, help="HTTP requests generating at once; more wait (default: no limit)")
+    v.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB")
+    v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    v.set_defaults(func=_serve)
+
+    from precast.runtime.bench import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="measure throughput and latency, in-process or against a server")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

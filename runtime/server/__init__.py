@@ -1,0 +1,1 @@
+"""precast serve: an OpenAI-compatible HTTP server with Prometheus metrics."""
