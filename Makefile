@@ -1,11 +1,14 @@
 # Two entry points (see README): `make demo` and `make test`. Both set up .venv first.
 PYTHON ?= python3
 VENV ?= .venv
+# Triton's python backend stub needs numpy<2 where it imports the model from: a second environment.
+TRITON_VENV ?= .venv-triton
+TPY := $(TRITON_VENV)/bin/python
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 ENGINE ?= engines/smollm2-135m-instruct
 
-.PHONY: demo test install install-test
+.PHONY: demo test install install-test install-triton
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +25,13 @@ install-test: install
 	$(PIP) torch==2.13.0
 	$(PIP) --no-build-isolation -e ".[test]"
 
+# precast + numpy<2 + the tritonserver binary (nvidia-pytriton wheel, --no-deps: its Python package is never used).
+install-triton: install
+	test -x $(TPY) || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TPY) -m pip install --disable-pip-version-check -q "numpy<2" "scikit-build-core>=0.10" "pybind11>=2.12"
+	$(TPY) -m pip install --disable-pip-version-check -q --no-build-isolation -C build-dir=build/triton -e . "numpy<2"
+	$(TPY) -m pip install --disable-pip-version-check -q --no-deps nvidia-pytriton==0.7.0
+
 # The main job: build an engine from the real SmolLM2-135M-Instruct (GGUF from PyPI), describe it, generate text.
 demo: install
 	$(VENV)/bin/precast build --checkpoint "$$($(PY) -m precast.packaged smollm2-135m-instruct)" --output $(ENGINE) --force
@@ -29,5 +39,5 @@ demo: install
 	$(VENV)/bin/precast run $(ENGINE) --chat --stream --prompt "What is the capital of France?"
 	$(VENV)/bin/precast run $(ENGINE) --chat --stream --temperature 0.7 --seed 1 --max-tokens 80 --prompt "Write a haiku about the sea."
 
-test: install-test
-	$(PY) -m pytest -q
+test: install-test install-triton
+	PRECAST_TRITON_PYTHON=$(abspath $(TPY)) $(PY) -m pytest -q

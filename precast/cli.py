@@ -90,6 +90,21 @@ def _bench(args: argparse.Namespace) -> None:
     run_bench(args)
 
 
+def _triton_repo(args: argparse.Namespace) -> None:
+    from precast.runtime.triton.repo import write_model_repository
+
+    out = write_model_repository(args.engine, args.output, args.model_name, args.decoupled, args.instances,
+                                 args.kv_cache_memory, not args.no_chunked_prefill, not args.no_prefix_reuse,
+                                 args.threads, args.force)
+    print(f"wrote {out}/{args.model_name} ({'decoupled' if args.decoupled else 'not decoupled'}); start it with `precast triton {out}`")
+
+
+def _triton(args: argparse.Namespace) -> None:
+    from precast.runtime.triton.server import run_tritonserver
+
+    run_tritonserver(args.repo, args.http_port, args.grpc_port, args.metrics_port, args.tritonserver_args)
+
+
 def _memory_size(text: str) -> int:
     """'2GiB', '512MiB', '1e9' -> bytes."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
@@ -154,6 +169,28 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     v.set_defaults(func=_serve)
+
+    t = sub.add_parser("triton-repo", help="write a Triton model repository serving an engine")
+    t.add_argument("engine", help="engine directory")
+    t.add_argument("--output", required=True, help="model repository directory to create")
+    t.add_argument("--model-name", default="precast")
+    t.add_argument("--decoupled", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream responses (decoupled transaction policy; default on)")
+    t.add_argument("--instances", type=int, default=1, help="model instances (each loads the engine)")
+    t.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size per instance, e.g. 2GiB")
+    t.add_argument("--no-chunked-prefill", action="store_true")
+    t.add_argument("--no-prefix-reuse", action="store_true")
+    t.add_argument("--threads", type=int, help="CPU threads per instance")
+    t.add_argument("--force", action="store_true", help="replace --output if it exists")
+    t.set_defaults(func=_triton_repo)
+
+    ts = sub.add_parser("triton", help="start tritonserver (from the nvidia-pytriton wheel) on a model repository")
+    ts.add_argument("repo", help="model repository (from `precast triton-repo`)")
+    ts.add_argument("--http-port", type=int, default=8000)
+    ts.add_argument("--grpc-port", type=int, default=8001)
+    ts.add_argument("--metrics-port", type=int, default=8002)
+    ts.add_argument("tritonserver_args", nargs="*", help="extra tritonserver flags, after --")
+    ts.set_defaults(func=_triton)
 
     from precast.runtime.bench import add_bench_arguments
 

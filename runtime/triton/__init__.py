@@ -1,0 +1,1 @@
+"""precast's Triton Inference Server backend: a python-backend model and a model-repository writer."""
