@@ -1,0 +1,129 @@
+"""Quantized weight formats: the numerics, independent of any model or kernel.
+
+Each format turns a float32 matrix [out, in] into stored arrays plus scales, and back.
+The conversions to FP8 (E4M3) and FP4 (E2M1) are ml_dtypes' (round to nearest even),
+so stored values match every other implementation bit for bit.
+
+  fp8      E4M3 values, one float32 scale per tensor:        w ~ q * scale,  scale = amax / 448
+  nvfp4    E2M1 values packed two per byte (low nibble first), one E4M3 scale per 16 inputs and
+           one float32 global scale per tensor:            w ~ q * block_scale * global
+           global = amax / (6 * 448), block_scale = block_amax / (6 * global) (stored as E4M3)
+  int4     signed 4-bit integers in [-8, 7], packed two per byte (low nibble first), one
+           float32 scale per group of `group_size` inputs:   w ~ q * scale, scale = group_amax / 7
+
+Not yet wired into the builder or the runner (the quantization issue does that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0  # largest float4_e2m1fn
+NVFP4_BLOCK = 16
+INT4_MAX = 7
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    values: np.ndarray  # float8_e4m3fn [out, in]
+    scale: float
+
+    def dequantize(self) -> np.ndarray:
+        return self.values.astype(np.float32) * np.float32(self.scale)
+
+
+def quantize_fp8(w: np.ndarray, amax: float | None = None) -> Fp8Tensor:
+    """Per-tensor E4M3 with scale amax / 448 (amax of `w` unless given, e.g. from calibration)."""
+    w = np.asarray(w, dtype=np.float32)
+    amax = float(np.abs(w).max()) if amax is None else float(amax)
+    scale = amax / FP8_MAX if amax > 0 else 1.0
+    # Clip first: values a rounding step above 448 would otherwise become NaN in E4M3 (it has no inf).
+    q = np.clip(w / np.float32(scale), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return Fp8Tensor(q, scale)
+
+
+@dataclass(frozen=True)
+class Nvfp4Tensor:
+    packed: np.ndarray  # uint8 [out, in / 2]: element 2j in the low nibble, 2j + 1 in the high
+    block_scales: np.ndarray  # float8_e4m3fn [out, in / 16]
+    global_scale: float
+    shape: tuple[int, int]
+
+    def dequantize(self) -> np.ndarray:
+        values = unpack_fp4(self.packed).astype(np.float32)
+        scales = self.block_scales.astype(np.float32) * np.float32(self.global_scale)
+        return values * np.repeat(scales, NVFP4_BLOCK, axis=1)
+
+
+def pack_fp4(values: np.ndarray) -> np.ndarray:
+    """float4_e2m1fn [r, c] (c even) -> uint8 [r, c / 2], low nibble first."""
+    bits = values.view(np.uint8) & 0x0F
+    return (bits[:, 0::2] | (bits[:, 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    out = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.uint8)
+    out[:, 0::2] = packed & 0x0F
+    out[:, 1::2] = packed >> 4
+    return out.view(ml_dtypes.float4_e2m1fn)
+
+
+def quantize_nvfp4(w: np.ndarray, amax: float | None = None) -> Nvfp4Tensor:
+    w = np.asarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    if cols % NVFP4_BLOCK:
+        raise ValueError(f"nvfp4 needs the input dimension to be a multiple of {NVFP4_BLOCK}, got {cols}")
+    amax = float(np.abs(w).max()) if amax is None else float(amax)
+    global_scale = amax / (FP4_MAX * FP8_MAX) if amax > 0 else 1.0
+    blocks = w.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_amax = np.abs(blocks).max(axis=2)
+    block_scales = np.clip(block_amax / np.float32(FP4_MAX * global_scale), 0, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    # Divide by the scale as stored (rounded to E4M3), so dequantization inverts exactly what was done.
+    effective = block_scales.astype(np.float32) * np.float32(global_scale)
+    safe = np.where(effective > 0, effective, 1.0)[:, :, None]
+    q = np.clip(blocks / safe, -FP4_MAX, FP4_MAX).astype(ml_dtypes.float4_e2m1fn).reshape(rows, cols)
+    return Nvfp4Tensor(pack_fp4(q), block_scales, global_scale, (rows, cols))
+
+
+@dataclass(frozen=True)
+class Int4Tensor:
+    packed: np.ndarray  # uint8 [out, in / 2]: two's-complement nibbles, low nibble first
+    scales: np.ndarray  # float32 [out, in / group_size]
+    group_size: int
+
+    def dequantize(self) -> np.ndarray:
+        return unpack_int4(self.packed).astype(np.float32) * np.repeat(self.scales, self.group_size, axis=1)
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    out = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.int8)
+    nibbles = (packed & 0x0F, packed >> 4)
+    for k, n in enumerate(nibbles):
+        out[:, k::2] = np.where(n >= 8, n.astype(np.int16) - 16, n).astype(np.int8)
+    return out
+
+
+def default_group_size(cols: int) -> int:
+    """The largest of 128, 64, 32 that divides the input size."""
+    for g in (128, 64, 32):
+        if cols % g == 0:
+            return g
+    raise ValueError(f"int4 groups need an input dimension divisible by 32, got {cols}")
+
+
+def quantize_int4(w: np.ndarray, group_size: int | None = None) -> Int4Tensor:
+    w = np.asarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    g = group_size or default_group_size(cols)
+    if cols % g or cols % 2:
+        raise ValueError(f"group size {g} does not divide the input dimension {cols}")
+    groups = w.reshape(rows, cols // g, g)
+    scales = np.abs(groups).max(axis=2) / INT4_MAX
+    safe = np.where(scales > 0, scales, 1.0)[:, :, None]
+    q = np.clip(np.rint(groups / safe), -8, INT4_MAX).astype(np.int8).reshape(rows, cols)
+    nib = (q & 0x0F).astype(np.uint8)
+    return Int4Tensor((nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8), scales.astype(np.float32), g)
