@@ -195,6 +195,39 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
     def finish_reason(out: RequestOutput) -> str | None:
         return None if out.finish_reason is None else ("length" if out.finish_reason == "length" else "stop")
 
+    async def stream_events(jobs: list[tuple[list[int], Any]], arrival: float, base: dict[str, Any], choice: Any,
+                            options: Any, preamble: list[dict[str, Any]]) -> AsyncIterator[str]:
+        """Server-sent events for all choices: `choice(i, output, first_new_token)` builds each chunk's choice."""
+        for event in preamble:
+            yield sse(event)
+        finals: dict[int, RequestOutput] = {}
+        seen = [0] * len(jobs)
+        try:
+            async for i, out in merged([run_choice(p, sp, arrival) for p, sp in jobs]):
+                c = choice(i, out, seen[i])
+                seen[i] = len(out.token_ids)
+                if out.delta or out.finished or c.get("logprobs"):
+                    yield sse(base | {"choices": [c]})
+                if out.finished:
+                    finals[i] = out
+        except OpenAIError as e:
+            yield sse({"error": {"message": e.message, "type": e.type}})
+            return
+        if options and options.include_usage:
+            yield sse(base | {"choices": [], "usage": usage(list(finals.values()), [p for p, _ in jobs])})
+        yield "data: [DONE]\n\n"
+
+    def check_params(jobs: list[tuple[list[int], Any]]) -> None:
+        for _, params in jobs:
+            try:
+                params.validate()
+            except PrecastError as e:
+                raise OpenAIError(400, str(e)) from e
+
+    async def collect_all(request: Request, jobs: list[tuple[list[int], Any]], arrival: float) -> list[RequestOutput]:
+        task = asyncio.ensure_future(guarded(asyncio.gather(*(collect(p, sp, arrival) for p, sp in jobs))))
+        return await until_disconnect(request, task)
+
     # ---- /v1/completions ------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -215,40 +248,22 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
         for p in prompts:
             check_length(p, max_tokens, "prompt")
         jobs = [(p, body.sampling(max_tokens, body.logprobs, i)) for p in prompts for i in range(body.n)]
-        for _, params in jobs:
-            try:
-                params.validate()
-            except PrecastError as e:
-                raise OpenAIError(400, str(e)) from e
+        check_params(jobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
 
         if not body.stream:
-            task = asyncio.ensure_future(guarded(asyncio.gather(*(collect(p, sp, arrival) for p, sp in jobs))))
-            outs = await until_disconnect(request, task)
+            outs = await collect_all(request, jobs, arrival)
             choices = [{"index": i, "text": o.text, "finish_reason": finish_reason(o),
                         "logprobs": completion_logprobs(o) if body.logprobs is not None else None} for i, o in enumerate(outs)]
             return base | {"choices": choices, "usage": usage(outs, [p for p, _ in jobs])}
 
-        async def events() -> AsyncIterator[str]:
-            finals: dict[int, RequestOutput] = {}
-            seen = [0] * len(jobs)
-            try:
-                async for i, out in merged([run_choice(p, sp, arrival) for p, sp in jobs]):
-                    lp = completion_logprobs(out, seen[i]) if body.logprobs is not None else None
-                    seen[i] = len(out.token_ids)
-                    if out.delta or out.finished or lp:
-                        yield sse(base | {"choices": [{"index": i, "text": out.delta, "logprobs": lp, "finish_reason": finish_reason(out)}]})
-                    if out.finished:
-                        finals[i] = out
-            except OpenAIError as e:
-                yield sse({"error": {"message": e.message, "type": e.type}})
-                return
-            if body.stream_options and body.stream_options.include_usage:
-                yield sse(base | {"choices": [], "usage": usage(list(finals.values()), [p for p, _ in jobs])})
-            yield "data: [DONE]\n\n"
+        def choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
+            lp = completion_logprobs(out, start) if body.logprobs is not None else None
+            return {"index": i, "text": out.delta, "logprobs": lp, "finish_reason": finish_reason(out)}
 
-        return StreamingResponse(guarded_stream(events()), media_type="text/event-stream")
+        events = stream_events(jobs, arrival, base, choice, body.stream_options, preamble=[])
+        return StreamingResponse(guarded_stream(events), media_type="text/event-stream")
 
     async def guarded_stream(gen: AsyncIterator[str]) -> AsyncIterator[str]:
         if limit is None:
@@ -276,44 +291,26 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         jobs = [(prompt, body.sampling(max_tokens, top, i)) for i in range(body.n)]
-        for _, params in jobs:
-            try:
-                params.validate()
-            except PrecastError as e:
-                raise OpenAIError(400, str(e)) from e
+        check_params(jobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "created": int(time.time()), "model": model_name}
 
         if not body.stream:
-            task = asyncio.ensure_future(guarded(asyncio.gather(*(collect(p, sp, arrival) for p, sp in jobs))))
-            outs = await until_disconnect(request, task)
+            outs = await collect_all(request, jobs, arrival)
             choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": finish_reason(o),
                         "logprobs": chat_logprobs(o) if body.logprobs else None} for i, o in enumerate(outs)]
             return base | {"object": "chat.completion", "choices": choices, "usage": usage(outs, [p for p, _ in jobs])}
 
         chunk = base | {"object": "chat.completion.chunk"}
 
-        async def events() -> AsyncIterator[str]:
-            for i in range(len(jobs)):
-                yield sse(chunk | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-            finals: dict[int, RequestOutput] = {}
-            seen = [0] * len(jobs)
-            try:
-                async for i, out in merged([run_choice(p, sp, arrival) for p, sp in jobs]):
-                    lp = chat_logprobs(out, seen[i]) if body.logprobs else None
-                    seen[i] = len(out.token_ids)
-                    if out.delta or out.finished or lp:
-                        delta = {"content": out.delta} if out.delta else {}
-                        yield sse(chunk | {"choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason(out)}]})
-                    if out.finished:
-                        finals[i] = out
-            except OpenAIError as e:
-                yield sse({"error": {"message": e.message, "type": e.type}})
-                return
-            if body.stream_options and body.stream_options.include_usage:
-                yield sse(chunk | {"choices": [], "usage": usage(list(finals.values()), [p for p, _ in jobs])})
-            yield "data: [DONE]\n\n"
+        def choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
+            lp = chat_logprobs(out, start) if body.logprobs else None
+            delta = {"content": out.delta} if out.delta else {}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason(out)}
 
-        return StreamingResponse(guarded_stream(events()), media_type="text/event-stream")
+        first = [chunk | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+                 for i in range(len(jobs))]
+        events = stream_events(jobs, arrival, chunk, choice, body.stream_options, preamble=first)
+        return StreamingResponse(guarded_stream(events), media_type="text/event-stream")
 
     return app
