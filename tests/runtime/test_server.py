@@ -218,3 +218,19 @@ def test_openai_client_example(server):
     r = subprocess.run([sys.executable, str(script), f"{server}/v1", "sk-test"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "chat: The capital of France is Paris." in r.stdout and "stream: " in r.stdout
+
+
+def test_bench_dataset_and_request_rate(smollm2_bf16_engine, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": 4}) for p in ["Hello", "The sky is", "One, two,"]) + "\n")
+    exe = shutil.which("precast")
+    cmd = [exe] if exe else [sys.executable, "-m", "precast"]
+    r = subprocess.run([*cmd, "bench", "--engine", str(smollm2_bf16_engine), "--dataset", str(data), "--num-prompts", "3",
+                        "--request-rate", "20", "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["requests"] == 3 and s["failed"] == 0 and 0 < s["output_tokens"] <= 12 and s["mode"] == "offline"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    r = subprocess.run([*cmd, "bench", "--engine", str(smollm2_bf16_engine), "--dataset", str(bad)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
