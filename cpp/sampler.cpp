@@ -48,6 +48,88 @@ void apply_penalties(float* logits, const SamplingParams& p, const std::vector<T
   }
 }
 
+// One draw from softmax(logits / temperature), truncated by top-k, top-p and min-p.
+// Without truncation this is a single pass over the vocabulary in index order; with it,
+// only as many of the most likely tokens are sorted as the truncation needs (64, then
+// 1024, ... until they cover top_p), never the whole vocabulary for nothing.
+TokenId draw(const float* logits, int vocab, const SamplingParams& p, SamplerState& state) {
+  const float mx = *std::max_element(logits, logits + vocab);
+  const double inv_t = 1.0 / p.temperature;
+  std::vector<double> w(vocab);
+  double total = 0.0;
+  for (int i = 0; i < vocab; ++i) total += w[i] = std::exp((double(logits[i]) - mx) * inv_t);  // banned: -inf -> 0
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  const bool truncated = (p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0f || p.min_p > 0.0f;
+  if (!truncated) {
+    double r = uniform(state.rng) * total;
+    int last_nonzero = 0;
+    for (int i = 0; i < vocab; ++i) {
+      if (w[i] <= 0) continue;
+      last_nonzero = i;
+      r -= w[i];
+      if (r < 0) return i;
+    }
+    return last_nonzero;  // rounding left r a hair above zero
+  }
+  // Tokens at least min_p times as likely as the best (whose weight is 1) stay candidates:
+  // they are the first `min_p_count` in descending order.
+  int min_p_count = vocab;
+  if (p.min_p > 0.0f) {
+    min_p_count = 0;
+    for (int i = 0; i < vocab; ++i) min_p_count += w[i] >= p.min_p;
+  }
+  std::vector<int> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  auto by_weight = [&](int a, int b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
+  auto sort_prefix = [&](int m) { std::partial_sort(order.begin(), order.begin() + m, order.end(), by_weight); };
+
+  int keep;  // candidates kept, the first `keep` of `order`
+  if (p.top_k > 0 && p.top_k < vocab) {
+    keep = p.top_k;
+    sort_prefix(keep);
+  } else {
+    keep = std::min(vocab, p.top_p < 1.0f ? 64 : min_p_count);
+    sort_prefix(keep);
+  }
+  if (p.top_p < 1.0f) {
+    // top-p is relative to the mass left after top-k.
+    double mass = 0.0;
+    if (p.top_k > 0 && p.top_k < vocab) {
+      for (int i = 0; i < keep; ++i) mass += w[order[i]];
+    } else {
+      mass = total;
+    }
+    const double target = p.top_p * mass;
+    for (int limit = keep;; ) {
+      double cum = 0.0;
+      int i = 0;
+      for (; i < limit; ++i) {
+        cum += w[order[i]];
+        if (cum >= target) break;
+      }
+      if (i < limit) {
+        keep = i + 1;
+        break;
+      }
+      if (limit == vocab || (p.top_k > 0 && p.top_k < vocab)) {
+        keep = limit;
+        break;
+      }
+      limit = std::min(vocab, limit * 16);  // not enough sorted yet: sort a longer prefix
+      sort_prefix(limit);
+    }
+  }
+  keep = std::max(1, std::min(keep, min_p_count));
+  double kept = 0.0;
+  for (int i = 0; i < keep; ++i) kept += w[order[i]];
+  double r = uniform(state.rng) * kept;
+  for (int i = 0; i < keep; ++i) {
+    r -= w[order[i]];
+    if (r < 0) return order[i];
+  }
+  return order[keep - 1];
+}
+
 }  // namespace
 
 SampleResult sample_token(float* logits, int vocab, const SamplingParams& p, const std::vector<TokenId>& context,
@@ -66,46 +148,7 @@ SampleResult sample_token(float* logits, int vocab, const SamplingParams& p, con
     // Greedy: the first maximum, so ties break the same way every time.
     result.token = TokenId(std::max_element(logits, logits + vocab) - logits);
   } else {
-    // Candidates sorted by logit (index breaks ties), then truncated by top-k / top-p / min-p.
-    std::vector<int> order(vocab);
-    std::iota(order.begin(), order.end(), 0);
-    const int k = (p.top_k > 0 && p.top_k < vocab) ? p.top_k : vocab;
-    auto by_logit = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), by_logit);
-    order.resize(k);
-    std::vector<double> probs(k);
-    const double mx = logits[order[0]] / p.temperature;
-    double sum = 0.0;
-    for (int i = 0; i < k; ++i) sum += probs[i] = std::exp(double(logits[order[i]]) / p.temperature - mx);
-    int keep = k;
-    if (p.top_p < 1.0f) {
-      double cum = 0.0;
-      for (int i = 0; i < k; ++i) {
-        cum += probs[i] / sum;
-        if (cum >= p.top_p) {
-          keep = i + 1;
-          break;
-        }
-      }
-    }
-    if (p.min_p > 0.0f) {
-      const double floor = probs[0] * p.min_p;
-      int i = 1;
-      while (i < keep && probs[i] >= floor) ++i;
-      keep = i;
-    }
-    std::uniform_real_distribution<double> uniform(0.0, 1.0);
-    double kept = std::accumulate(probs.begin(), probs.begin() + keep, 0.0);
-    double r = uniform(state.rng) * kept;
-    int chosen = keep - 1;
-    for (int i = 0; i < keep; ++i) {
-      r -= probs[i];
-      if (r < 0) {
-        chosen = i;
-        break;
-      }
-    }
-    result.token = order[chosen];
+    result.token = draw(logits, vocab, p, state);
   }
 
   if (p.top_logprobs >= 0) {
