@@ -68,3 +68,16 @@ def test_logprobs_are_of_the_raw_distribution():
     ref = logits - np.log(np.exp(logits).sum())
     assert token == 2 and abs(logprob - ref[2]) < 1e-6
     assert [t for t, _ in top] == [2, 1] and abs(top[1][1] - ref[1]) < 1e-6
+
+
+def test_truncation_beyond_the_first_sorted_prefix():
+    """top-k above 64 and top-p needing more than 64 tokens take the longer sorting path."""
+    flat = np.zeros(1000, np.float32)  # all equal: ties go to the lower index
+    for s in range(200):
+        assert sample(flat, params(temperature=1.0, top_k=100), seed=s)[0] < 100
+        assert sample(flat, params(temperature=1.0, top_p=0.5), seed=s)[0] < 500
+    draws = {sample(flat, params(temperature=1.0, top_p=0.5), seed=s)[0] for s in range(400)}
+    assert max(draws) > 64  # really drew beyond the first prefix
+    logits = np.log(np.array([0.4, 0.3, 0.19, 0.11]))
+    for s in range(100):  # min_p 0.5: only tokens at least half as likely as the best (0.4, 0.3)
+        assert sample(logits, params(temperature=1.0, min_p=0.5), seed=s)[0] in (0, 1)
