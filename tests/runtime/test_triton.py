@@ -105,11 +105,12 @@ def text_inputs(module, prompt: str, max_tokens: int, **extra):
     return inputs
 
 
-def metric(ports, name: str, label: str) -> float:
+def metric(ports, name: str, label: str, model: str = "precast") -> float:
+    """One model's value: both models of the test server export the same families."""
     for line in httpx.get(f"http://127.0.0.1:{ports['metrics']}/metrics").text.splitlines():
-        if line.startswith(name + "{") and label in line:
+        if line.startswith(name + "{") and label in line and f'model="{model}"' in line:
             return float(line.rsplit(" ", 1)[1])
-    raise KeyError(f"{name} {label}")
+    raise KeyError(f"{name} {label} {model}")
 
 
 def test_http_and_grpc_infer_match_llm_generate(triton, expected):
@@ -202,17 +203,25 @@ def test_http_generate_endpoints(triton, expected):
 def test_cancelling_a_stream_frees_blocks(triton):
     import tritonclient.grpc as grpcclient
 
+    tokens_before = metric(triton, "precast_token_metrics", 'token_type="output"')
     jobs = [("long", "precast", text_inputs(grpcclient, "1, 2, 3, 4,", 1500,
                                             stream=(True, "BOOL", bool), exclude_input_in_output=(True, "BOOL", bool)))]
     pieces = grpc_stream(triton, jobs, cancel_after=5)
     assert len(pieces["long"]) >= 5
+
+    def idle() -> bool:
+        return (metric(triton, "precast_kv_cache_block_metrics", 'kv_cache_block_type="used"') == 0
+                and metric(triton, "precast_request_metrics", 'request_type="active"') == 0)
+
     deadline = time.time() + 10  # far sooner than the 1500 requested tokens would take (~20 s here)
-    while time.time() < deadline:
-        if metric(triton, "precast_kv_cache_block_metrics", 'kv_cache_block_type="used"') == 0 and \
-                metric(triton, "precast_request_metrics", 'request_type="active"') == 0:
-            break
+    while time.time() < deadline and not idle():
         time.sleep(0.25)
-    assert metric(triton, "precast_kv_cache_block_metrics", 'kv_cache_block_type="used"') == 0
+    assert idle()
+    generated = metric(triton, "precast_token_metrics", 'token_type="output"') - tokens_before
+    time.sleep(0.5)
+    # The request really stopped: far fewer than 1500 tokens, and no more are coming.
+    assert 5 <= generated < 1000
+    assert metric(triton, "precast_token_metrics", 'token_type="output"') - tokens_before == generated
 
 
 def test_stop_request_ends_a_stream(triton):
@@ -261,14 +270,19 @@ def test_bad_inputs_return_errors_and_server_keeps_serving(triton, expected, bod
 def test_custom_metrics_move(triton):
     import tritonclient.http as httpclient
 
-    before = metric(triton, "precast_general_metrics", 'general_type="iteration_counter"')
-    out_before = metric(triton, "precast_token_metrics", 'token_type="output"')
+    def sync_metric(name: str, label: str) -> float:
+        return metric(triton, name, label, model="precast_sync")
+
+    before = sync_metric("precast_general_metrics", 'general_type="iteration_counter"')
+    out_before = sync_metric("precast_token_metrics", 'token_type="output"')
     httpclient.InferenceServerClient(f"127.0.0.1:{triton['http']}").infer("precast_sync", text_inputs(httpclient, "Hello", 5))
-    time.sleep(0.6)  # metrics refresh every 0.2 s
-    assert metric(triton, "precast_general_metrics", 'general_type="iteration_counter"') > before
-    assert metric(triton, "precast_token_metrics", 'token_type="output"') > out_before
+    deadline = time.time() + 5  # metrics refresh every 0.2 s
+    while time.time() < deadline and sync_metric("precast_token_metrics", 'token_type="output"') == out_before:
+        time.sleep(0.1)
+    assert sync_metric("precast_general_metrics", 'general_type="iteration_counter"') > before
+    assert sync_metric("precast_token_metrics", 'token_type="output"') > out_before
     for label in ('kv_cache_block_type="max"', 'kv_cache_block_type="free"', 'kv_cache_block_type="tokens_per"'):
-        assert metric(triton, "precast_kv_cache_block_metrics", label) > 0
+        assert sync_metric("precast_kv_cache_block_metrics", label) > 0
 
 
 def test_triton_example_runs(smollm2_bf16_engine, tmp_path):
