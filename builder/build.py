@@ -29,7 +29,7 @@ from precast.builder.engine import (
     write_json,
 )
 from precast.builder.limits import resolve_limits
-from precast.builder.safetensors_file import SafetensorsWriter
+from precast.builder.safetensors_file import DTYPES, SafetensorsWriter
 from precast.builder.weights import PlannedTensor, plan_weights
 from precast.errors import PrecastError
 
@@ -107,7 +107,7 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         },
     )
     expected = config.expected_tensors()
-    layout = [(t.name, _storage_dtype(expected[t.name][1]), t.shape) for t in plan]
+    layout = [(t.name, DTYPES[expected[t.name][1]], t.shape) for t in plan]
     total_bytes = sum(math.prod(shape) * np.dtype(dt).itemsize for _, dt, shape in layout)
 
     with atomic_directory(opts.output, opts.force) as tmp:
@@ -126,10 +126,6 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         write_json(tmp / "config.json", config.to_dict())
         fsync_tree(tmp)
     return BuildResult(opts.output, config, time.perf_counter() - start, total_bytes)
-
-
-def _storage_dtype(safetensors_name: str) -> np.dtype:
-    return {"F32": numpy_dtype("float32"), "BF16": numpy_dtype("bfloat16"), "F16": numpy_dtype("float16")}[safetensors_name]
 
 
 def _read_fused(checkpoint: Checkpoint, tensor: PlannedTensor) -> np.ndarray:

@@ -132,7 +132,9 @@ class TritonPythonModel:
             text = out.delta if flags["stream"] else cumulative_text
             tensors.append(pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_)))
         if flags["log_probs"]:
-            lps = out.logprobs[-len(out.delta_token_ids):] if flags["stream"] and out.delta_token_ids else ([] if flags["stream"] else out.logprobs)
+            # Streaming: the log-probs of this response's new tokens; otherwise all of them.
+            new = len(out.delta_token_ids)
+            lps = (out.logprobs[-new:] if new else []) if flags["stream"] else out.logprobs
             tensors.append(pb_utils.Tensor("output_log_probs", np.asarray(lps, dtype=np.float32)))
         return tensors
 
@@ -201,7 +203,8 @@ class TritonPythonModel:
         """Returns when Triton marks the request cancelled (client gone, gRPC stream closed)."""
         while not (request.is_cancelled() or (sender is not None and sender.is_cancelled())):
             await asyncio.sleep(_CANCEL_POLL_S)
-        for rid in [v for k, v in self.by_triton_id.items() if k == request.request_id()]:
+        rid = self.by_triton_id.get(request.request_id())
+        if rid is not None:
             self.llm.cancel(rid)
 
     # ---- Triton entry points -------------------------------------------------------
