@@ -2,13 +2,18 @@
 
 Streaming: each engine tensor is read from the checkpoint, converted and written before
 the next is touched, so peak memory is about one (fused) tensor whatever the model size.
+
+A quantized build (`--quant`, `--kv-cache-dtype fp8`) first builds the full-precision engine
+into a temporary directory beside the output, calibrates on it with precast's CPU runner,
+then writes the quantized engine from it (quantization/quantize.py).
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,6 +30,7 @@ from precast.builder.engine import (
     EngineConfig,
     atomic_directory,
     fsync_tree,
+    load_engine,
     numpy_dtype,
     write_json,
 )
@@ -32,6 +38,7 @@ from precast.builder.limits import resolve_limits
 from precast.builder.safetensors_file import DTYPES, SafetensorsWriter
 from precast.builder.weights import PlannedTensor, plan_weights
 from precast.errors import PrecastError
+from precast.quantization.recipe import QuantOptions, plan_layers
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class BuildOptions:
     targets: tuple[str, ...] = ("cpu",)
     force: bool = False
     progress: bool = True
+    quant: QuantOptions = field(default_factory=QuantOptions)
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,9 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         raise PrecastError(f"--dtype {opts.dtype!r} is not supported; choose from {', '.join(ENGINE_DTYPES)}")
     if opts.output.exists() and not opts.force:  # checked early: fail before minutes of work
         raise PrecastError(f"{opts.output} already exists; choose another --output or pass --force to replace it")
+    opts.quant.check()
+    if opts.quant.active:
+        return _build_quantized(opts, start)
 
     checkpoint = open_checkpoint(opts.checkpoint)
     arch = find_architecture(checkpoint.config)
@@ -126,6 +137,48 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         write_json(tmp / "config.json", config.to_dict())
         fsync_tree(tmp)
     return BuildResult(opts.output, config, time.perf_counter() - start, total_bytes)
+
+
+def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
+    from precast.quantization import quantize
+    from precast.quantization.calibration import calibrate, calibration_sequences
+
+    q = opts.quant
+    checkpoint = open_checkpoint(opts.checkpoint)
+    spec = find_architecture(checkpoint.config).to_spec(checkpoint.config)
+    plan = plan_layers(spec, q)  # shape problems are reported before any work
+    opts.output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{opts.output.name}.full-", dir=opts.output.parent) as work:
+        full = build_engine(replace(opts, output=Path(work) / "engine", force=False, quant=QuantOptions()))
+        engine = load_engine(full.path)
+        needs_activations = any(p.format in ("fp8", "nvfp4") for p in plan.values())
+        needs_awq = any(p.format == "int4" for p in plan.values())
+        calib = None
+        if needs_activations or needs_awq or q.kv_cache_dtype == "fp8":
+            if q.calib_tokens is not None:
+                sequences, source = [list(t) for t in q.calib_tokens], "token ids given through the Python API"
+            else:
+                sequences, source = calibration_sequences(engine, q.calib_text, q.calib_samples, q.calib_seq_len)
+            calib = calibrate(engine, sequences, max_sample_rows=AWQ_SAMPLE_ROWS if needs_awq else 0)
+            calib.report["source"] = source
+        section = quantize.quant_section(q, plan)
+        if q.kv_cache_dtype == "fp8":
+            assert calib is not None
+            section["kv_cache"] = quantize.kv_cache_scales(calib, spec.num_layers)
+        config = replace(engine.config, quant=section, limits=replace(engine.config.limits, kv_cache_dtype=q.kv_cache_dtype))
+        scales = quantize.awq_scales(engine, plan, calib, opts.progress) if needs_awq and calib else {}
+        with atomic_directory(opts.output, opts.force) as tmp:
+            total = quantize.write_quantized_weights(engine, tmp, section, config.expected_tensors(), plan, calib, scales, opts.progress)
+            for name in (config.tokenizer or {}).get("files", []):
+                (tmp / name).write_bytes((engine.path / name).read_bytes())
+            if calib is not None:
+                section["calibration"] = calib.report
+            write_json(tmp / "config.json", config.to_dict())
+            fsync_tree(tmp)
+    return BuildResult(opts.output, config, time.perf_counter() - start, total)
+
+
+AWQ_SAMPLE_ROWS = 512  # calibration rows kept per layer for AWQ's search (bounded memory)
 
 
 def _read_fused(checkpoint: Checkpoint, tensor: PlannedTensor) -> np.ndarray:

@@ -28,6 +28,7 @@ from precast.builder.safetensors_file import DTYPES, SafetensorsFile
 from precast.builder.spec import ModelSpec
 from precast.builder.weights import engine_tensor_shapes
 from precast.errors import PrecastError
+from precast.quantization.recipe import check_quant_section, linear_shapes, quantized_tensor_layout
 
 ENGINE_FORMAT = "precast-engine"
 ENGINE_VERSION = 1
@@ -95,14 +96,30 @@ class EngineConfig:
             raise PrecastError(f"{where} is damaged or incomplete ({type(e).__name__}: {e}); rebuild the engine") from e
         if config.dtype not in ENGINE_DTYPES:
             raise PrecastError(f"{where}: unknown engine dtype {config.dtype!r}")
-        if config.quant.get("recipe") != "none":
-            raise PrecastError(f"{where}: quantization recipe {config.quant.get('recipe')!r} is not supported by this precast")
+        check_quant_section(config.quant, config.model, config.limits.kv_cache_dtype, where)
         return config
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Canonical name -> (shape, safetensors dtype) that weights.safetensors must hold."""
         matrix = ENGINE_DTYPES[self.dtype]
-        return {n: (s, "F32" if len(s) == 1 else matrix) for n, s in engine_tensor_shapes(self.model).items()}
+        expected = {n: (s, "F32" if len(s) == 1 else matrix) for n, s in engine_tensor_shapes(self.model).items()}
+        shapes = linear_shapes(self.model)
+        for layer, entry in self.quant.get("layers", {}).items():
+            rows, cols = shapes[layer]
+            # Insert the scales right after their weight so the file keeps build order.
+            expected = _replace(expected, f"{layer}.weight", quantized_tensor_layout(entry, rows, cols, layer))
+        return expected
+
+
+
+def _replace(d: dict[str, Any], key: str, items: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if k == key:
+            out.update(items)
+        else:
+            out[k] = v
+    return out
 
 
 @dataclass

@@ -20,7 +20,7 @@ DEFAULT_MAX_SEQ_LEN_CAP = 4096
 DEFAULT_MAX_BATCH_SIZE = 64
 DEFAULT_MAX_NUM_TOKENS_CAP = 2048
 DEFAULT_TOKENS_PER_BLOCK = 32
-KV_CACHE_DTYPES = ("auto",)  # "auto": the engine's dtype; fp8 arrives with quantization
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": float32 on CPU; "fp8": E4M3 with calibrated per-layer scales
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "check.h"
 #include "cpu_features.h"
+#include "cpu/quantize.h"
 #include "cpu_runner.h"
 #include "executor.h"
 #include "kv_cache_manager.h"
@@ -192,7 +195,15 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<WeightDtype>(m, "WeightDtype")
       .value("F32", WeightDtype::kF32)
       .value("BF16", WeightDtype::kBF16)
-      .value("F16", WeightDtype::kF16);
+      .value("F16", WeightDtype::kF16)
+      .value("FP8", WeightDtype::kFP8)
+      .value("NVFP4", WeightDtype::kNVFP4)
+      .value("INT4", WeightDtype::kINT4);
+
+  py::enum_<ActQuant>(m, "ActQuant")
+      .value("NONE", ActQuant::kNone)
+      .value("FP8_STATIC", ActQuant::kFp8Static)
+      .value("NVFP4_DYNAMIC", ActQuant::kNvfp4Dynamic);
 
   py::class_<CpuModelConfig>(m, "CpuModelConfig")
       .def(py::init<>())
@@ -212,6 +223,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("inv_freq", &CpuModelConfig::inv_freq)
       .def_readwrite("attention_factor", &CpuModelConfig::attention_factor)
       .def_readwrite("dtype", &CpuModelConfig::dtype)
+      .def_readwrite("kv_fp8", &CpuModelConfig::kv_fp8)
+      .def_readwrite("k_scales", &CpuModelConfig::k_scales)
+      .def_readwrite("v_scales", &CpuModelConfig::v_scales)
       .def_readwrite("num_threads", &CpuModelConfig::num_threads);
 
   py::class_<CpuRunner, ModelRunner, py::smart_holder>(m, "CpuRunner")
@@ -227,7 +241,98 @@ PYBIND11_MODULE(_C, m) {
              }
              r.set_weight(name, info.ptr, size_t(info.size) * size_t(info.itemsize));
            })
-      .def("finalize", &CpuRunner::finalize);
+      .def(
+          "set_quantized_weight",
+          [](CpuRunner& r, const std::string& name, WeightDtype dtype, int rows, int cols,
+             py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size, float scale,
+             ActQuant act, float act_scale) {
+            WeightView w{dtype, rows, cols, values.data(), nullptr, group_size, scale};
+            size_t scales_bytes = 0;
+            if (group_scales) {
+              if (!(group_scales->flags() & py::array::c_style)) throw std::invalid_argument(name + ": scales must be C-contiguous");
+              w.group_scales = group_scales->data();
+              scales_bytes = size_t(group_scales->nbytes());
+            }
+            r.set_quantized_weight(name, w, size_t(values.nbytes()), scales_bytes, act, act_scale);
+          },
+          py::arg("name"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"), py::arg("group_scales"),
+          py::arg("group_size"), py::arg("scale"), py::arg("act"), py::arg("act_scale"),
+          "A quantized matrix in the engine's stored layout (kernels.h, WeightView) and its input quantization.")
+      .def("finalize", &CpuRunner::finalize)
+      .def(
+          "evaluate",
+          [](CpuRunner& r, const std::vector<int>& tokens, bool logits) {
+            std::vector<float> out;
+            {
+              py::gil_scoped_release release;
+              out = r.evaluate(tokens, logits);
+            }
+            py::array_t<float> a = to_numpy(out);
+            return logits ? a.reshape({py::ssize_t(tokens.size()), py::ssize_t(r.vocab_size())}) : a;
+          },
+          py::arg("tokens"), py::arg("logits") = true,
+          "Run one token sequence from position 0 (not while an executor uses this runner); logits [tokens, vocab].")
+      .def("start_calibration", &CpuRunner::start_calibration, py::arg("max_sample_rows") = 0, py::arg("sample_every") = 1)
+      .def("calibration_stats", [](const CpuRunner& r) {
+        py::dict out;
+        for (const auto& [name, s] : r.calibration()) {
+          py::dict d;
+          d["rows"] = s.rows;
+          d["amax"] = to_numpy(s.amax);
+          std::vector<float> mean(s.abs_sum.size());
+          for (size_t i = 0; i < mean.size(); ++i) mean[i] = s.rows ? float(s.abs_sum[i] / double(s.rows)) : 0.0f;
+          d["mean_abs"] = to_numpy(mean);
+          d["samples"] = to_numpy(s.samples).reshape({py::ssize_t(s.samples.size() / std::max(1, s.cols)), py::ssize_t(s.cols)});
+          out[py::str(name)] = d;
+        }
+        return out;
+      });
+
+  m.def("round_to_e4m3", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+    std::vector<float> out(x.size());
+    for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = round_to_e4m3(x.data()[i]);
+    return to_numpy(out);
+  }, "Nearest E4M3 values (for tests).");
+  m.def("round_to_e2m1", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+    std::vector<float> out(x.size());
+    for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = round_to_e2m1(x.data()[i]);
+    return to_numpy(out);
+  }, "Nearest E2M1 values (for tests).");
+  m.def("e4m3_bits", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+    std::vector<uint8_t> out(x.size());
+    for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = e4m3_bits(round_to_e4m3(x.data()[i]));
+    return py::array_t<uint8_t>(py::ssize_t(out.size()), out.data());
+  }, "E4M3 encodings of the nearest E4M3 values (for tests).");
+  m.def("fake_quant_fp8", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float scale) {
+    py::array_t<float> out(x.request().shape);
+    fake_quant_fp8(x.data(), x.size(), scale, out.mutable_data());
+    return out;
+  }, "fp8 static activation quantization, returned dequantized (for tests).");
+  m.def("fake_quant_nvfp4", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float global_scale) {
+    if (x.ndim() != 2 || x.shape(1) % kNvfp4Block) throw std::invalid_argument("x must be [rows, cols], cols a multiple of 16");
+    py::array_t<float> out(x.request().shape);
+    fake_quant_nvfp4(x.data(), int(x.shape(0)), int(x.shape(1)), global_scale, out.mutable_data());
+    return out;
+  }, "nvfp4 dynamic activation quantization, returned dequantized (for tests).");
+  m.def("linear", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, WeightDtype dtype, int rows, int cols,
+                     py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
+                     float scale, int num_threads) {
+    WeightView w{dtype, rows, cols, values.data(), group_scales ? group_scales->data() : nullptr, group_size, scale};
+    if (values.nbytes() != py::ssize_t(weight_values_bytes(dtype, rows, cols))) throw std::invalid_argument("wrong number of value bytes");
+    if (is_4bit(dtype)) {
+      const py::ssize_t elem = dtype == WeightDtype::kNVFP4 ? 1 : 4;
+      if (group_size <= 0 || cols % group_size || !group_scales || group_scales->nbytes() != py::ssize_t(rows) * (cols / group_size) * elem)
+        throw std::invalid_argument("4-bit weights need group scales [rows, cols / group_size]");
+    }
+    if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("x must be [n, cols]");
+    PackedMatrix m = PackedMatrix::pack(w);
+    ThreadPool pool(num_threads);
+    py::array_t<float> y({x.shape(0), py::ssize_t(rows)});
+    linear(pool, x.data(), int(x.shape(0)), m, nullptr, y.mutable_data());
+    return y;
+  }, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"), py::arg("group_scales") = py::none(),
+     py::arg("group_size") = 0, py::arg("scale") = 1.0f, py::arg("num_threads") = 1,
+     "y = x @ W.T for a weight in the engine's stored layout (kernel tests).");
 
   py::class_<Executor, py::smart_holder>(m, "Executor")
       .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>>(), py::call_guard<py::gil_scoped_release>())

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "check.h"
+#include "cpu/quantize.h"
 
 namespace precast {
 
@@ -14,6 +15,11 @@ CpuRunner::CpuRunner(CpuModelConfig config) : config_(std::move(config)), pool_(
   if (c.num_layers < 1 || c.hidden_size < 1 || c.num_heads < 1 || c.num_kv_heads < 1 || c.num_heads % c.num_kv_heads)
     throw std::invalid_argument("inconsistent model config for the CPU runner");
   if (int(c.inv_freq.size()) != c.head_dim / 2) throw std::invalid_argument("inv_freq must have head_dim / 2 entries");
+  if (c.kv_fp8 && (int(c.k_scales.size()) != c.num_layers || int(c.v_scales.size()) != c.num_layers))
+    throw std::invalid_argument("an fp8 KV cache needs one K and one V scale per layer");
+  for (size_t i = 0; i < c.k_scales.size() && c.kv_fp8; ++i)
+    if (!(c.k_scales[i] > 0 && c.v_scales[i] > 0 && std::isfinite(c.k_scales[i]) && std::isfinite(c.v_scales[i])))
+      throw std::invalid_argument("fp8 KV cache scales must be finite and positive");
 }
 
 std::pair<int, int> CpuRunner::expected_shape(const std::string& name) const {
@@ -43,11 +49,33 @@ void CpuRunner::set_weight(const std::string& name, const void* data, size_t nby
     const float* f = static_cast<const float*>(data);
     vectors_[name].assign(f, f + cols);
   } else {
-    matrices_[name] = PackedMatrix::pack(data, config_.dtype, rows, cols);
+    matrices_[name] = Linear{PackedMatrix::pack(data, config_.dtype, rows, cols)};
   }
 }
 
-const PackedMatrix* CpuRunner::matrix(const std::string& name) const {
+void CpuRunner::set_quantized_weight(const std::string& name, const WeightView& w, size_t values_bytes, size_t scales_bytes,
+                                     ActQuant act, float act_scale) {
+  PRECAST_CHECK(!finalized_, "weights are frozen after finalize()");
+  const auto [rows, cols] = expected_shape(name);
+  if (rows < 0 || w.rows != rows || w.cols != cols)
+    throw std::invalid_argument(name + ": shape " + std::to_string(w.rows) + "x" + std::to_string(w.cols) + " does not match the model");
+  if (w.dtype != WeightDtype::kFP8 && !is_4bit(w.dtype)) throw std::invalid_argument(name + ": not a quantized dtype");
+  if (values_bytes != weight_values_bytes(w.dtype, rows, cols)) throw std::invalid_argument(name + ": wrong number of value bytes");
+  if (is_4bit(w.dtype)) {
+    const int g = w.group_size;
+    if (g <= 0 || g % 2 || cols % g || (w.dtype == WeightDtype::kNVFP4 && g != kNvfp4Block))
+      throw std::invalid_argument(name + ": bad group size " + std::to_string(g));
+    const size_t want = size_t(rows) * (cols / g) * (w.dtype == WeightDtype::kNVFP4 ? 1 : 4);
+    if (scales_bytes != want) throw std::invalid_argument(name + ": wrong number of group scale bytes");
+  }
+  if (!(std::isfinite(w.scale) && w.scale > 0) || !(std::isfinite(act_scale) && act_scale > 0))
+    throw std::invalid_argument(name + ": scales must be finite and positive");
+  if (act == ActQuant::kNvfp4Dynamic && cols % kNvfp4Block)
+    throw std::invalid_argument(name + ": nvfp4 activations need an input size that is a multiple of 16");
+  matrices_[name] = Linear{PackedMatrix::pack(w), act, act_scale};
+}
+
+const CpuRunner::Linear* CpuRunner::matrix(const std::string& name) const {
   auto it = matrices_.find(name);
   if (it == matrices_.end()) throw std::invalid_argument("missing weight " + name);
   return &it->second;
@@ -68,6 +96,7 @@ void CpuRunner::finalize() {
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer l;
+    l.prefix = p;
     l.qkv = matrix(p + "attn.qkv.weight");
     l.o = matrix(p + "attn.o.weight");
     l.gate_up = matrix(p + "mlp.gate_up.weight");
@@ -87,21 +116,80 @@ void CpuRunner::finalize() {
 }
 
 int64_t CpuRunner::kv_block_bytes(int tokens_per_block) const {
-  return int64_t(config_.num_layers) * 2 * config_.num_kv_heads * tokens_per_block * config_.head_dim * int64_t(sizeof(float));
+  const int64_t element = config_.kv_fp8 ? 1 : int64_t(sizeof(float));
+  return int64_t(config_.num_layers) * 2 * config_.num_kv_heads * tokens_per_block * config_.head_dim * element;
 }
 
 void CpuRunner::configure_kv(int num_blocks, int tokens_per_block) {
-  const int64_t per_layer = int64_t(num_blocks) * config_.num_kv_heads * tokens_per_block * config_.head_dim;
+  const int64_t per_layer = kv_block_bytes(tokens_per_block) / (2 * config_.num_layers) * num_blocks;
   k_cache_.clear();
   v_cache_.clear();
   for (int i = 0; i < config_.num_layers; ++i) {
-    k_cache_.emplace_back(new float[per_layer]);
-    v_cache_.emplace_back(new float[per_layer]);
+    k_cache_.emplace_back(new uint8_t[per_layer]);
+    v_cache_.emplace_back(new uint8_t[per_layer]);
   }
   tokens_per_block_ = tokens_per_block;
+  num_kv_blocks_ = num_blocks;
 }
 
-std::vector<float> CpuRunner::forward(const Batch& batch) {
+void CpuRunner::start_calibration(int max_sample_rows, int64_t sample_every) {
+  calibration_.clear();
+  calibrating_ = true;
+  max_sample_rows_ = std::max(0, max_sample_rows);
+  sample_every_ = std::max<int64_t>(1, sample_every);
+}
+
+void CpuRunner::observe(const std::string& name, const float* x, int num_rows, int cols, int64_t stride) {
+  ChannelStats& s = calibration_[name];
+  if (s.cols == 0) {
+    s.cols = cols;
+    s.amax.assign(cols, 0.0f);
+    s.abs_sum.assign(cols, 0.0);
+  }
+  for (int r = 0; r < num_rows; ++r, ++s.rows) {
+    const float* row = x + int64_t(r) * stride;
+    for (int i = 0; i < cols; ++i) {
+      s.amax[i] = std::max(s.amax[i], std::fabs(row[i]));
+      s.abs_sum[i] += std::fabs(row[i]);
+    }
+    if (s.rows % sample_every_ == 0 && int64_t(s.samples.size()) < int64_t(max_sample_rows_) * cols)
+      s.samples.insert(s.samples.end(), row, row + cols);
+  }
+}
+
+void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias, float* y) {
+  const int cols = l.weight.cols;
+  if (calibrating_ && !name.empty()) observe(name, x, num_rows, cols, cols);
+  if (l.act != ActQuant::kNone) {
+    quantized_input_.resize(size_t(num_rows) * cols);
+    if (l.act == ActQuant::kFp8Static) fake_quant_fp8(x, int64_t(num_rows) * cols, l.act_scale, quantized_input_.data());
+    else fake_quant_nvfp4(x, num_rows, cols, l.act_scale, quantized_input_.data());
+    x = quantized_input_.data();
+  }
+  linear(pool_, x, num_rows, l.weight, bias, y);
+}
+
+std::vector<float> CpuRunner::evaluate(const std::vector<int>& tokens, bool logits) {
+  PRECAST_CHECK(finalized_, "call finalize() after loading weights");
+  const int T = int(tokens.size());
+  if (T == 0) return {};
+  const int B = tokens_per_block_ > 0 ? tokens_per_block_ : 32;
+  const int blocks = (T + B - 1) / B;
+  if (num_kv_blocks_ < blocks || tokens_per_block_ != B) configure_kv(blocks, B);
+  Batch batch;
+  batch.token_ids = tokens;
+  for (int t = 0; t < T; ++t) batch.positions.push_back(t);
+  BatchSequence seq;
+  seq.num_tokens = T;
+  seq.sample = logits;
+  for (int b = 0; b < blocks; ++b) seq.block_table.push_back(b);
+  batch.sequences.push_back(seq);
+  return run(batch, logits);
+}
+
+std::vector<float> CpuRunner::forward(const Batch& batch) { return run(batch, false); }
+
+std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
   PRECAST_CHECK(finalized_, "call finalize() after loading weights");
   PRECAST_CHECK(tokens_per_block_ > 0, "configure_kv() was not called");
   const CpuModelConfig& c = config_;
@@ -124,16 +212,17 @@ std::vector<float> CpuRunner::forward(const Batch& batch) {
   }
   for (int t = 0; t < T; ++t) {
     PRECAST_CHECK(batch.token_ids[t] >= 0 && batch.token_ids[t] < c.vocab_size, "token id out of range");
-    matrix_row(*embed_, batch.token_ids[t], x_.data() + size_t(t) * H);
+    matrix_row(embed_->weight, batch.token_ids[t], x_.data() + size_t(t) * H);
   }
   const float scale = 1.0f / std::sqrt(float(D));
   auto rows_parallel = [&](int n, auto&& fn) { pool_.parallel_for(n, [&](int64_t b, int64_t e) { fn(int(b), int(e - b)); }); };
 
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
-    PagedKvLayer cache{k_cache_[li].get(), v_cache_[li].get(), tokens_per_block_, c.num_kv_heads, D};
+    PagedKvLayer cache{k_cache_[li].get(), v_cache_[li].get(), tokens_per_block_, c.num_kv_heads, D, c.kv_fp8,
+                       c.kv_fp8 ? c.k_scales[li] : 1.0f, c.kv_fp8 ? c.v_scales[li] : 1.0f};
     rows_parallel(T, [&](int r, int n) { rms_norm(x_.data() + size_t(r) * H, L.attn_norm, n, H, c.norm_eps, h_.data() + size_t(r) * H); });
-    linear(pool_, h_.data(), T, *L.qkv, L.qkv_bias, qkv_.data());
+    apply(*L.qkv, L.prefix + "attn.qkv", h_.data(), T, L.qkv_bias, qkv_.data());
     rows_parallel(T, [&](int r0, int n) {
       for (int t = r0; t < r0 + n; ++t) {
         float* q = qkv_.data() + size_t(t) * qkv_size;
@@ -147,28 +236,38 @@ std::vector<float> CpuRunner::forward(const Batch& batch) {
         write_kv(cache, token_table[t], batch.positions[t], k, k + kv_size);
       }
     });
+    if (calibrating_) {  // K after norm and rotation, V: what the cache stores
+      observe(L.prefix + "attn.k", qkv_.data() + q_size, T, kv_size, qkv_size);
+      observe(L.prefix + "attn.v", qkv_.data() + q_size + kv_size, T, kv_size, qkv_size);
+    }
     paged_attention(pool_, cache, seqs, qkv_.data(), qkv_size, c.num_heads, L.sliding ? c.sliding_window : 0, scale, attn_.data());
-    linear(pool_, attn_.data(), T, *L.o, nullptr, tmp_.data());
+    apply(*L.o, L.prefix + "attn.o", attn_.data(), T, nullptr, tmp_.data());
     for (size_t i = 0; i < size_t(T) * H; ++i) x_[i] += tmp_[i];
     rows_parallel(T, [&](int r, int n) { rms_norm(x_.data() + size_t(r) * H, L.mlp_norm, n, H, c.norm_eps, h_.data() + size_t(r) * H); });
-    linear(pool_, h_.data(), T, *L.gate_up, nullptr, gate_up_.data());
+    apply(*L.gate_up, L.prefix + "mlp.gate_up", h_.data(), T, nullptr, gate_up_.data());
     rows_parallel(T, [&](int r, int n) { silu_and_mul(gate_up_.data() + size_t(r) * 2 * inter, n, inter, act_.data() + size_t(r) * inter); });
-    linear(pool_, act_.data(), T, *L.down, nullptr, tmp_.data());
+    apply(*L.down, L.prefix + "mlp.down", act_.data(), T, nullptr, tmp_.data());
     for (size_t i = 0; i < size_t(T) * H; ++i) x_[i] += tmp_[i];
   }
 
-  // Final norm and LM head only for the last token of each sampling sequence.
-  std::vector<float> last;
+  // Final norm and LM head only for the last token of each sampling sequence (every
+  // token of them with all_logits; every token's norm when calibrating).
+  std::vector<float> rows;
+  int S = 0;
   for (const BatchSequence& s : batch.sequences) {
-    if (!s.sample) continue;
-    const float* row = x_.data() + size_t(s.token_offset + s.num_tokens - 1) * H;
-    last.insert(last.end(), row, row + H);
+    if (!s.sample && !calibrating_) continue;
+    const int first = all_logits || calibrating_ ? s.token_offset : s.token_offset + s.num_tokens - 1;
+    rows.insert(rows.end(), x_.data() + size_t(first) * H, x_.data() + size_t(s.token_offset + s.num_tokens) * H);
   }
-  const int S = int(last.size()) / H;
-  std::vector<float> normed(last.size());
-  rms_norm(last.data(), final_norm_, S, H, c.norm_eps, normed.data());
+  S = int(rows.size()) / H;
+  std::vector<float> normed(rows.size());
+  rms_norm(rows.data(), final_norm_, S, H, c.norm_eps, normed.data());
+  if (calibrating_) {
+    observe(c.tie_word_embeddings ? "embed" : "lm_head", normed.data(), S, H, H);
+    if (!all_logits) return {};  // calibration runs need no logits
+  }
   std::vector<float> logits(size_t(S) * c.vocab_size);
-  linear(pool_, normed.data(), S, *lm_head_, nullptr, logits.data());
+  apply(*lm_head_, "", normed.data(), S, nullptr, logits.data());  // observed above
   return logits;
 }
 

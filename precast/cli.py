@@ -12,7 +12,19 @@ from precast.errors import PrecastError
 
 def _build(args: argparse.Namespace) -> None:
     from precast.builder.build import BuildOptions, build_engine
+    from precast.quantization.recipe import QuantOptions
 
+    quant = QuantOptions(
+        recipe=args.quant,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantize_lm_head=args.quantize_lm_head,
+        exclude=tuple(args.exclude),
+        group_size=args.group_size,
+        skip_unsupported=args.skip_unsupported,
+        calib_text=Path(args.calib_text) if args.calib_text else None,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+    )
     targets = ("cpu",) if args.target == "all" else (args.target,)
     result = build_engine(
         BuildOptions(
@@ -26,9 +38,18 @@ def _build(args: argparse.Namespace) -> None:
             targets=targets,
             force=args.force,
             progress=not args.quiet,
+            quant=quant,
         )
     )
     spec, limits = result.config.model, result.config.limits
+    q = result.config.quant
+    if q["recipe"] != "none" or limits.kv_cache_dtype != "auto":
+        calib = q.get("calibration")
+        print(
+            f"quantized: {q['recipe']}, {len(q.get('layers', {}))} layers, KV cache {limits.kv_cache_dtype}"
+            + (f"; calibration {calib['samples']} x {calib['tokens'] // calib['samples']} tokens in {calib['seconds']} s, "
+               f"peak RSS {calib['peak_rss_mb']} MB" if calib else "")
+        )
     print(
         f"built {result.path}: {spec.architecture}, {spec.num_parameters():,} parameters, {result.config.dtype}, "
         f"{result.weight_bytes / 2**20:.1f} MiB of weights in {result.seconds:.1f} s; "
@@ -130,6 +151,17 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="cpu", choices=["cpu", "all"], help="what to build for (default cpu)")
     b.add_argument("--force", action="store_true", help="replace --output if it exists")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    qg = b.add_argument_group("quantization (docs/quantization.md)")
+    qg.add_argument("--quant", default="none", help="none (default), fp8, nvfp4 or int4_awq")
+    qg.add_argument("--kv-cache-dtype", default="auto", help="auto (default: float32 on CPU) or fp8 (calibrated per-layer scales)")
+    qg.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (tied: the embeddings)")
+    qg.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                    help="keep matching layers in full precision (fnmatch on names like layers.0.attn.qkv, *.mlp.down); repeatable")
+    qg.add_argument("--group-size", type=int, help="int4_awq group size (default: the largest of 128, 64, 32 dividing the layer's input)")
+    qg.add_argument("--skip-unsupported", action="store_true", help="keep layers whose shape the format cannot take in full precision instead of failing")
+    qg.add_argument("--calib-text", help="UTF-8 text file for calibration (default: the text shipped with precast)")
+    qg.add_argument("--calib-samples", type=int, default=16, help="calibration sequences (default 16)")
+    qg.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence (default 256)")
     b.set_defaults(func=_build)
 
     i = sub.add_parser("inspect", help="describe an engine directory")

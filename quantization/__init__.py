@@ -1,6 +1,8 @@
-"""precast.quantization: weight formats and their conversion.
+"""precast.quantization: quantized weight formats, recipes, calibration and AWQ.
 
-Only full-precision formats exist so far (float32, bfloat16, float16); the
-quantized recipes (fp8, nvfp4, int4_awq) arrive with their own issue and plug in
-through `dtypes.py` without changing the engine contract.
+formats.py      the numerics (fp8, nvfp4, int4 groups), bit-exact with ml_dtypes
+recipe.py       what `--quant` asks for, which layers get which format, the engine's `quant` section
+calibration.py  activation statistics from a full-precision engine run by precast's own CPU runner
+awq.py          activation-aware scaling for int4_awq
+quantize.py     a full-precision engine -> a quantized one (used by `precast build --quant`)
 """

@@ -9,6 +9,8 @@ import numpy as np
 from precast import _C
 from precast.builder.engine import Engine
 from precast.builder.rope import rope_parameters
+from precast.quantization.formats import NVFP4_BLOCK
+from precast.quantization.recipe import linear_shapes
 
 _WEIGHT_DTYPES = {"float32": _C.WeightDtype.F32, "bfloat16": _C.WeightDtype.BF16, "float16": _C.WeightDtype.F16}
 
@@ -41,12 +43,41 @@ def make_cpu_runner(engine: Engine, num_threads: int | None = None) -> _C.CpuRun
     c.inv_freq = inv_freq.tolist()
     c.attention_factor = attention_factor
     c.dtype = _WEIGHT_DTYPES[engine.config.dtype]
+    if engine.config.limits.kv_cache_dtype == "fp8":
+        c.kv_fp8 = True
+        c.k_scales = engine.config.quant["kv_cache"]["k_scales"]
+        c.v_scales = engine.config.quant["kv_cache"]["v_scales"]
     c.num_threads = num_threads or default_num_threads()
     runner = _C.CpuRunner(c)
+    layers = engine.config.quant.get("layers", {})
+    shapes = linear_shapes(spec)
     for name in engine.weights.tensors:
+        if name.endswith(".weight_scale"):
+            continue  # read with its weight
+        layer = name[: -len(".weight")]
+        if layer in layers:
+            _set_quantized(runner, engine, layer, layers[layer], shapes[layer])
+            continue
         array = engine.weights.read(name)
         # bfloat16/float16 travel as their raw 16-bit patterns; the kernels widen them.
         raw = array.view(np.uint16) if array.dtype.itemsize == 2 else array
         runner.set_weight(name, np.ascontiguousarray(raw))
     runner.finalize()
     return runner
+
+
+def _set_quantized(runner: _C.CpuRunner, engine: Engine, layer: str, entry: dict, shape: tuple[int, int]) -> None:
+    rows, cols = shape
+    values = np.ascontiguousarray(engine.weights.read(f"{layer}.weight").view(np.uint8))
+    fmt = entry["format"]
+    if fmt == "fp8":
+        runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.FP8, rows, cols, values, None, 0, entry["weight_scale"],
+                                    _C.ActQuant.FP8_STATIC, entry["input_scale"])
+        return
+    scales = np.ascontiguousarray(engine.weights.read(f"{layer}.weight_scale"))
+    if fmt == "nvfp4":
+        runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.NVFP4, rows, cols, values, scales.view(np.uint8), NVFP4_BLOCK,
+                                    entry["weight_global_scale"], _C.ActQuant.NVFP4_DYNAMIC, entry["input_global_scale"])
+    else:  # int4: weight-only (W4A16)
+        runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.INT4, rows, cols, values, scales, int(entry["group_size"]), 1.0,
+                                    _C.ActQuant.NONE, 1.0)

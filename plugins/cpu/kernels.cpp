@@ -43,11 +43,45 @@ inline float f16_to_float(uint16_t h) {
   return f;
 }
 
+// E4M3 byte -> float16 bits of value / 256 (exact for every finite E4M3 value).
+inline uint16_t e4m3_half_bits(uint8_t b) { return uint16_t(((b & 0x7f) << 7) | ((b & 0x80) << 8)); }
+
 template <WeightDtype DT>
 inline float load_scalar(const void* base, int64_t i) {
   if constexpr (DT == WeightDtype::kF32) return static_cast<const float*>(base)[i];
   if constexpr (DT == WeightDtype::kBF16) return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-  return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+  if constexpr (DT == WeightDtype::kF16) return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+  return f16_to_float(e4m3_half_bits(static_cast<const uint8_t*>(base)[i]));  // kFP8, / 256
+}
+
+// 4-bit codes -> values. nvfp4: E2M1 (sign, 2 exponent bits, 1 mantissa bit); int4: two's complement.
+constexpr float kE2m1Values[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+
+size_t element_bytes(WeightDtype dtype) {
+  switch (dtype) {
+    case WeightDtype::kF32: return 4;
+    case WeightDtype::kBF16:
+    case WeightDtype::kF16: return 2;
+    default: return 1;  // kFP8; 4-bit formats are handled as nibbles
+  }
+}
+
+// Dequantized W[p * kPanel + j][i] without out_scale (portable paths and embedding rows).
+float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
+  const uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
+  switch (m.dtype) {
+    case WeightDtype::kF32: return load_scalar<WeightDtype::kF32>(panel, i * kPanel + j);
+    case WeightDtype::kBF16: return load_scalar<WeightDtype::kBF16>(panel, i * kPanel + j);
+    case WeightDtype::kF16: return load_scalar<WeightDtype::kF16>(panel, i * kPanel + j);
+    case WeightDtype::kFP8: return load_scalar<WeightDtype::kFP8>(panel, i * kPanel + j);
+    default: break;
+  }
+  const uint8_t byte = panel[i * (kPanel / 2) + j % 32];
+  const int code = j < 32 ? byte & 0xf : byte >> 4;
+  const int64_t groups = m.cols / m.group_size, s = (p * groups + i / m.group_size) * kPanel + j;
+  if (m.dtype == WeightDtype::kNVFP4) return kE2m1Values[code] * load_scalar<WeightDtype::kFP8>(m.group_scales.data(), s);
+  return kInt4Values[code] * reinterpret_cast<const float*>(m.group_scales.data())[s];
 }
 
 #ifdef PRECAST_AVX512
@@ -55,6 +89,12 @@ template <WeightDtype DT>
 inline __m512 load16(const void* base, int64_t i) {
   if constexpr (DT == WeightDtype::kF32) {
     return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+  } else if constexpr (DT == WeightDtype::kFP8) {
+    // Sign-extend each byte to 16 bits, shift the magnitude into float16 position, and
+    // clear bit 14 (the sign's copy): ((b & 0x7f) << 7) | (sign << 15).
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(short(0xBFFF)));
+    return _mm512_cvtph_ps(h);
   } else {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
     if constexpr (DT == WeightDtype::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -62,15 +102,27 @@ inline __m512 load16(const void* base, int64_t i) {
   }
 }
 
+inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias, float out_scale, float* y, int64_t y_stride) {
+  const __m512 s = _mm512_set1_ps(out_scale);
+  for (int v = 0; v < 4; ++v) {
+    const int n = std::min(16, valid - v * 16);
+    if (n <= 0) break;
+    const __mmask16 mask = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < nr; ++r) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, mask, _mm512_fmadd_ps(acc[r][v], s, b));
+  }
+}
+
 // NR input rows x one 64-output panel: 4 x NR accumulators, one broadcast FMA per input
 // element and output vector.
 template <WeightDtype DT, int NR>
-inline void panel_kernel(const float* x, int64_t x_stride, const void* panel, int cols, int valid, const float* bias,
+inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w, int64_t p, int valid, const float* bias,
                          float* y, int64_t y_stride) {
+  const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
   __m512 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int i = 0; i < cols; ++i) {
+  for (int i = 0; i < w.cols; ++i) {
     const int64_t off = int64_t(i) * kPanel;
     const __m512 w0 = load16<DT>(panel, off), w1 = load16<DT>(panel, off + 16);
     const __m512 w2 = load16<DT>(panel, off + 32), w3 = load16<DT>(panel, off + 48);
@@ -82,15 +134,59 @@ inline void panel_kernel(const float* x, int64_t x_stride, const void* panel, in
       acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
     }
   }
-  for (int v = 0; v < 4; ++v) {
-    const int n = std::min(16, valid - v * 16);
-    if (n <= 0) break;
-    const __mmask16 mask = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < NR; ++r) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, mask, _mm512_add_ps(acc[r][v], b));
+  store_outputs(acc, NR, valid, bias, w.out_scale, y, y_stride);
+}
+
+// The 4-bit twin: per group, load the 64 group scales; per input element, expand 32
+// bytes into 64 codes, look the values up (vpermps uses the low 4 bits of each index, so
+// the low nibble needs no mask) and scale them.
+template <WeightDtype DT, int NR>
+inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatrix& w, int64_t p, int valid,
+                              const float* bias, float* y, int64_t y_stride) {
+  const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
+  const int groups = w.cols / w.group_size;
+  const __m512 lut = _mm512_loadu_ps(DT == WeightDtype::kNVFP4 ? kE2m1Values : kInt4Values);
+  __m512 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    __m512 s[4];
+    const int64_t s_off = (p * groups + g) * kPanel;
+    for (int v = 0; v < 4; ++v) {
+      if constexpr (DT == WeightDtype::kNVFP4) s[v] = load16<WeightDtype::kFP8>(w.group_scales.data(), s_off + v * 16);
+      else s[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(w.group_scales.data()) + s_off + v * 16);
+    }
+    for (int i = g * w.group_size; i < (g + 1) * w.group_size; ++i) {
+      const uint8_t* bytes = panel + int64_t(i) * (kPanel / 2);
+      const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
+      const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(c0, lut), s[0]);
+      const __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(c1, lut), s[1]);
+      const __m512 w2 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), lut), s[2]);
+      const __m512 w3 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), lut), s[3]);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
+        acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+      }
+    }
   }
+  store_outputs(acc, NR, valid, bias, w.out_scale, y, y_stride);
 }
 #endif
+
+template <WeightDtype DT>
+struct Kernel {
+#ifdef PRECAST_AVX512
+  template <int NR>
+  static void run(const float* x, int64_t xs, const PackedMatrix& w, int64_t p, int valid, const float* b, float* y, int64_t ys) {
+    if constexpr (DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4) panel_kernel_4bit<DT, NR>(x, xs, w, p, valid, b, y, ys);
+    else panel_kernel<DT, NR>(x, xs, w, p, valid, b, y, ys);
+  }
+#endif
+};
 
 // Panels [p_begin, p_end) for all input rows.
 template <WeightDtype DT>
@@ -99,20 +195,20 @@ void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const fl
   const int cols = w.cols;
   for (int64_t p = p_begin; p < p_end; ++p) {
     const int valid = int(std::min<int64_t>(kPanel, w.rows - p * kPanel));
-    const uint8_t* panel = w.data.data() + size_t(p) * kPanel * cols * w.element_size();
     const float* b = bias ? bias + p * kPanel : nullptr;
 #ifdef PRECAST_AVX512
-    constexpr int R = 6;  // 24 accumulators + 4 weight vectors fit the 32 registers
+    // 4 x R accumulators + 4 weight vectors (+ 4 scales and the table for 4-bit) fit the 32 registers.
+    constexpr int R = (DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4) ? 4 : 6;
     for (int r = 0; r < num_rows; r += R) {
       const float* xr = x + int64_t(r) * cols;
       float* yr = y + int64_t(r) * w.rows + p * kPanel;
       switch (std::min(R, num_rows - r)) {
-        case 6: panel_kernel<DT, 6>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
-        case 5: panel_kernel<DT, 5>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
-        case 4: panel_kernel<DT, 4>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
-        case 3: panel_kernel<DT, 3>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
-        case 2: panel_kernel<DT, 2>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
-        default: panel_kernel<DT, 1>(xr, cols, panel, cols, valid, b, yr, w.rows); break;
+        case 6: Kernel<DT>::template run<(R >= 6 ? 6 : 1)>(xr, cols, w, p, valid, b, yr, w.rows); break;
+        case 5: Kernel<DT>::template run<(R >= 5 ? 5 : 1)>(xr, cols, w, p, valid, b, yr, w.rows); break;
+        case 4: Kernel<DT>::template run<4>(xr, cols, w, p, valid, b, yr, w.rows); break;
+        case 3: Kernel<DT>::template run<3>(xr, cols, w, p, valid, b, yr, w.rows); break;
+        case 2: Kernel<DT>::template run<2>(xr, cols, w, p, valid, b, yr, w.rows); break;
+        default: Kernel<DT>::template run<1>(xr, cols, w, p, valid, b, yr, w.rows); break;
       }
     }
 #else
@@ -120,9 +216,9 @@ void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const fl
       float acc[kPanel] = {0};
       for (int i = 0; i < cols; ++i) {
         const float xi = x[int64_t(r) * cols + i];
-        for (int j = 0; j < kPanel; ++j) acc[j] += xi * load_scalar<DT>(panel, int64_t(i) * kPanel + j);
+        for (int j = 0; j < kPanel; ++j) acc[j] += xi * packed_at(w, p, i, j);
       }
-      for (int j = 0; j < valid; ++j) y[int64_t(r) * w.rows + p * kPanel + j] = acc[j] + (b ? b[j] : 0.0f);
+      for (int j = 0; j < valid; ++j) y[int64_t(r) * w.rows + p * kPanel + j] = acc[j] * w.out_scale + (b ? b[j] : 0.0f);
     }
 #endif
   }
@@ -130,20 +226,52 @@ void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const fl
 
 }  // namespace
 
-PackedMatrix PackedMatrix::pack(const void* row_major, WeightDtype dtype, int rows, int cols) {
+bool is_4bit(WeightDtype dtype) { return dtype == WeightDtype::kNVFP4 || dtype == WeightDtype::kINT4; }
+
+size_t weight_values_bytes(WeightDtype dtype, int rows, int cols) {
+  return is_4bit(dtype) ? size_t(rows) * size_t(cols / 2) : size_t(rows) * size_t(cols) * element_bytes(dtype);
+}
+
+size_t PackedMatrix::panel_bytes() const {
+  return is_4bit(dtype) ? size_t(cols) * (kPanel / 2) : size_t(cols) * kPanel * element_bytes(dtype);
+}
+
+PackedMatrix PackedMatrix::pack(const WeightView& w) {
   PackedMatrix m;
-  m.dtype = dtype;
-  m.rows = rows;
-  m.cols = cols;
-  const size_t es = m.element_size();
-  const int64_t panels = (int64_t(rows) + kPanel - 1) / kPanel;
-  m.data.assign(size_t(panels) * kPanel * cols * es, 0);
-  const uint8_t* src = static_cast<const uint8_t*>(row_major);
-  for (int64_t o = 0; o < rows; ++o) {
-    const int64_t p = o / kPanel, j = o % kPanel;
-    for (int64_t i = 0; i < cols; ++i)
-      std::memcpy(m.data.data() + ((p * cols + i) * kPanel + j) * es, src + (o * cols + i) * es, es);
+  m.dtype = w.dtype;
+  m.rows = w.rows;
+  m.cols = w.cols;
+  const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
+  m.data.assign(size_t(panels) * m.panel_bytes(), 0);
+  const uint8_t* src = static_cast<const uint8_t*>(w.values);
+  if (!is_4bit(w.dtype)) {
+    const size_t es = element_bytes(w.dtype);
+    for (int64_t o = 0; o < w.rows; ++o) {
+      const int64_t p = o / kPanel, j = o % kPanel;
+      for (int64_t i = 0; i < w.cols; ++i)
+        std::memcpy(m.data.data() + ((p * w.cols + i) * kPanel + j) * es, src + (o * w.cols + i) * es, es);
+    }
+    if (w.dtype == WeightDtype::kFP8) m.out_scale = w.scale * 256.0f;
+    return m;
   }
+  m.group_size = w.group_size;
+  const int64_t groups = w.cols / w.group_size;
+  const size_t scale_bytes = w.dtype == WeightDtype::kNVFP4 ? 1 : 4;
+  m.group_scales.assign(size_t(panels * groups * kPanel) * scale_bytes, 0);
+  const uint8_t* scales = static_cast<const uint8_t*>(w.group_scales);
+  for (int64_t o = 0; o < w.rows; ++o) {
+    const int64_t p = o / kPanel, j = o % kPanel;
+    uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
+    for (int64_t i = 0; i < w.cols; ++i) {
+      const uint8_t code = (src[o * (w.cols / 2) + i / 2] >> (4 * (i % 2))) & 0xf;
+      panel[i * (kPanel / 2) + j % 32] |= j < 32 ? code : uint8_t(code << 4);
+    }
+    for (int64_t g = 0; g < groups; ++g)
+      std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes, scales + (o * groups + g) * scale_bytes,
+                  scale_bytes);
+  }
+  // nvfp4 group scales are E4M3 read as value / 256; the global scale carries the 256.
+  m.out_scale = w.dtype == WeightDtype::kNVFP4 ? w.scale * 256.0f : 1.0f;
   return m;
 }
 
@@ -154,21 +282,17 @@ void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& 
       case WeightDtype::kF32: linear_panels<WeightDtype::kF32>(x, num_rows, w, bias, y, p0, p1); break;
       case WeightDtype::kBF16: linear_panels<WeightDtype::kBF16>(x, num_rows, w, bias, y, p0, p1); break;
       case WeightDtype::kF16: linear_panels<WeightDtype::kF16>(x, num_rows, w, bias, y, p0, p1); break;
+      case WeightDtype::kFP8: linear_panels<WeightDtype::kFP8>(x, num_rows, w, bias, y, p0, p1); break;
+      case WeightDtype::kNVFP4: linear_panels<WeightDtype::kNVFP4>(x, num_rows, w, bias, y, p0, p1); break;
+      case WeightDtype::kINT4: linear_panels<WeightDtype::kINT4>(x, num_rows, w, bias, y, p0, p1); break;
     }
   });
 }
 
 void matrix_row(const PackedMatrix& w, int row, float* out) {
-  const int64_t p = row / kPanel, j = row % kPanel;
-  const int64_t base = p * w.cols * kPanel + j;
-  for (int i = 0; i < w.cols; ++i) {
-    const int64_t idx = base + int64_t(i) * kPanel;
-    switch (w.dtype) {
-      case WeightDtype::kF32: out[i] = load_scalar<WeightDtype::kF32>(w.data.data(), idx); break;
-      case WeightDtype::kBF16: out[i] = load_scalar<WeightDtype::kBF16>(w.data.data(), idx); break;
-      case WeightDtype::kF16: out[i] = load_scalar<WeightDtype::kF16>(w.data.data(), idx); break;
-    }
-  }
+  const int64_t p = row / kPanel;
+  const int j = row % kPanel;
+  for (int i = 0; i < w.cols; ++i) out[i] = packed_at(w, p, i, j) * w.out_scale;
 }
 
 void rms_norm(const float* x, const float* weight, int num_rows, int dim, float eps, float* y) {

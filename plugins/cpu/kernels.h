@@ -1,6 +1,6 @@
 // CPU kernels of the generic decoder. Activations are float32; weight matrices are
-// float32, bfloat16 or float16 and are widened to float32 inside the inner loops (never
-// materialized). Every kernel computes each output row with the same operations in the
+// float32, bfloat16, float16, or quantized (fp8 E4M3 per tensor, nvfp4, int4 groups) and
+// are widened / dequantized to float32 inside the inner loops (never materialized). Every kernel computes each output row with the same operations in the
 // same order whatever else is in the batch (batch invariance).
 #pragma once
 
@@ -11,7 +11,26 @@
 
 namespace precast {
 
-enum class WeightDtype { kF32, kBF16, kF16 };
+enum class WeightDtype { kF32, kBF16, kF16, kFP8, kNVFP4, kINT4 };
+
+// A row-major weight as the engine stores it ([rows = out, cols = in]).
+//   kF32/kBF16/kF16  values: rows x cols elements
+//   kFP8             values: rows x cols E4M3 bytes; w = value * scale
+//   kNVFP4           values: rows x cols/2 bytes of E2M1 pairs (low nibble first);
+//                    group_scales: rows x cols/16 E4M3 bytes; w = value * group_scale * scale
+//   kINT4            values: rows x cols/2 bytes of two's-complement nibbles (low first);
+//                    group_scales: rows x cols/group_size float32; w = value * group_scale
+struct WeightView {
+  WeightDtype dtype = WeightDtype::kF32;
+  int rows = 0;
+  int cols = 0;
+  const void* values = nullptr;
+  const void* group_scales = nullptr;
+  int group_size = 0;
+  float scale = 1.0f;
+};
+size_t weight_values_bytes(WeightDtype dtype, int rows, int cols);
+bool is_4bit(WeightDtype dtype);
 
 // A weight matrix [rows = output features, cols = input features] repacked for the
 // kernels: panels of kPanel output rows, each stored input-major,
@@ -21,15 +40,27 @@ enum class WeightDtype { kF32, kBF16, kF16 };
 // (rows past the end are zero). A linear layer then streams each panel once, front to
 // back, accumulating kPanel outputs per input element with no horizontal sums, and
 // every output is one chain of FMAs in input order whatever the batch (batch invariance).
+//
+// Quantized panels keep their stored bits. FP8 panels are 64 bytes per input element.
+// 4-bit panels are 32 bytes per input element, byte j holding outputs j (low nibble) and
+// j + 32 (high nibble), with the group scales in a second array [panel][group][64].
+// E4M3 bytes widen exactly through float16 bits, ((b & 0x7f) << 7) | sign, which gives
+// the value / 256; the 256 is folded into `out_scale`.
 constexpr int kPanel = 64;
 
 struct PackedMatrix {
   std::vector<uint8_t> data;
+  std::vector<uint8_t> group_scales;  // 4-bit formats only
   WeightDtype dtype = WeightDtype::kF32;
   int rows = 0;
   int cols = 0;
-  static PackedMatrix pack(const void* row_major, WeightDtype dtype, int rows, int cols);
-  size_t element_size() const { return dtype == WeightDtype::kF32 ? 4 : 2; }
+  int group_size = 0;      // 4-bit formats
+  float out_scale = 1.0f;  // multiplies every output (fp8 scale, nvfp4 global, x 256 for E4M3)
+  static PackedMatrix pack(const WeightView& w);
+  static PackedMatrix pack(const void* row_major, WeightDtype dtype, int rows, int cols) {
+    return pack(WeightView{dtype, rows, cols, row_major});
+  }
+  size_t panel_bytes() const;  // bytes of one panel in `data`
 };
 
 // y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]) for r < num_rows; x is [num_rows, w.cols].

@@ -1,8 +1,11 @@
 #include "paged_attention.h"
 
+#include "quantize.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -28,6 +31,39 @@ inline float dot(const float* a, const float* b, int n) {
 
 inline void axpy(float a, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// E4M3 bytes widen exactly through float16 bits ((b & 0x7f) << 7 | sign << 15), which
+// gives value / 256; callers fold the 256 into their scale.
+inline float e4m3_div256(uint8_t b) { return e4m3_to_float(b) * (1.0f / 256.0f); }
+
+#if defined(__AVX512F__)
+inline __m512 e4m3x16_div256(const uint8_t* p) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(short(0xBFFF))));
+}
+#endif
+
+inline float dot(const float* a, const uint8_t* b, int n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), e4m3x16_div256(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0;
+  for (int i = 0; i < n; ++i) s += a[i] * e4m3_div256(b[i]);
+  return s;
+}
+
+inline void axpy(float a, const uint8_t* x, float* y, int n) {
+  int i = 0;
+#if defined(__AVX512F__)
+  const __m512 av = _mm512_set1_ps(a);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, e4m3x16_div256(x + i), _mm512_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * e4m3_div256(x[i]);
 }
 
 #if defined(__AVX512F__)
@@ -80,12 +116,71 @@ inline float exp_shifted(float* scores, int n, float mx) {
 void write_kv(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v) {
   const int block = block_table[position / cache.tokens_per_block];
   const int row = position % cache.tokens_per_block;
-  const size_t bytes = sizeof(float) * cache.head_dim;
+  const int D = cache.head_dim;
   for (int g = 0; g < cache.num_kv_heads; ++g) {
-    std::memcpy(cache.k_at(block, g, row), k + int64_t(g) * cache.head_dim, bytes);
-    std::memcpy(cache.v_at(block, g, row), v + int64_t(g) * cache.head_dim, bytes);
+    const float* kg = k + int64_t(g) * D;
+    const float* vg = v + int64_t(g) * D;
+    if (!cache.fp8) {
+      std::memcpy(cache.k_at<float>(block, g, row), kg, sizeof(float) * D);
+      std::memcpy(cache.v_at<float>(block, g, row), vg, sizeof(float) * D);
+      continue;
+    }
+    uint8_t* kq = cache.k_at<uint8_t>(block, g, row);
+    uint8_t* vq = cache.v_at<uint8_t>(block, g, row);
+    for (int i = 0; i < D; ++i) {
+      kq[i] = e4m3_bits(round_to_e4m3(kg[i] / cache.k_scale));
+      vq[i] = e4m3_bits(round_to_e4m3(vg[i] / cache.v_scale));
+    }
   }
 }
+
+namespace {
+
+// T: the cache element (float, or uint8_t E4M3 read as value / 256 and rescaled here).
+template <class T>
+void attention_items(const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs, const std::vector<int>& token_seq,
+                     const float* q, int64_t q_stride, int num_heads, int window, float scale, float* out, int64_t begin,
+                     int64_t end) {
+  const int D = cache.head_dim, B = cache.tokens_per_block;
+  const int group = num_heads / cache.num_kv_heads;
+  const int64_t num_items = int64_t(token_seq.size()) * num_heads;
+  constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
+  const float score_scale = kFp8 ? scale * cache.k_scale * 256.0f : scale;
+  const float value_scale = kFp8 ? cache.v_scale * 256.0f : 1.0f;
+  std::vector<float> scores;
+  for (int64_t k = begin; k < end; ++k) {
+    const int64_t item = (k % 2 == 0) ? k / 2 : num_items - 1 - k / 2;
+    const int t_global = int(item / num_heads), h = int(item % num_heads), g = h / group;
+    const AttentionSequence& seq = seqs[token_seq[t_global]];
+    const int pos = seq.context_len + (t_global - seq.token_offset);
+    const int lo = window > 0 ? std::max(0, pos - window + 1) : 0;
+    const float* qh = q + int64_t(t_global) * q_stride + int64_t(h) * D;
+    scores.resize(pos - lo + 1);
+    // Walk the positions block by block: one table lookup per block, no division per key.
+    float mx = -INFINITY;
+    for (int j0 = lo; j0 <= pos;) {
+      const int row0 = j0 % B, n = std::min(B - row0, pos - j0 + 1);
+      const T* k = cache.k_at<T>(seq.block_table[j0 / B], g, row0);
+      for (int r = 0; r < n; ++r, k += D) {
+        const float sc = dot(qh, k, D) * score_scale;
+        scores[j0 - lo + r] = sc;
+        mx = std::max(mx, sc);
+      }
+      j0 += n;
+    }
+    const float inv = value_scale / exp_shifted(scores.data(), int(scores.size()), mx);
+    float* oh = out + int64_t(t_global) * num_heads * D + int64_t(h) * D;
+    std::fill(oh, oh + D, 0.0f);
+    for (int j0 = lo; j0 <= pos;) {
+      const int row0 = j0 % B, n = std::min(B - row0, pos - j0 + 1);
+      const T* v = cache.v_at<T>(seq.block_table[j0 / B], g, row0);
+      for (int r = 0; r < n; ++r, v += D) axpy(scores[j0 - lo + r] * inv, v, oh, D);
+      j0 += n;
+    }
+  }
+}
+
+}  // namespace
 
 void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
                      const float* q, int64_t q_stride, int num_heads, int window, float scale, float* out) {
@@ -95,41 +190,10 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vec
   // then get similar amounts of work.
   std::vector<int> token_seq;
   for (int s = 0; s < int(seqs.size()); ++s) token_seq.insert(token_seq.end(), seqs[s].num_tokens, s);
-  const int D = cache.head_dim, B = cache.tokens_per_block;
-  const int group = num_heads / cache.num_kv_heads;
   const int64_t num_items = int64_t(token_seq.size()) * num_heads;
   pool.parallel_for(num_items, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t item = (k % 2 == 0) ? k / 2 : num_items - 1 - k / 2;
-      const int t_global = int(item / num_heads), h = int(item % num_heads), g = h / group;
-      const AttentionSequence& seq = seqs[token_seq[t_global]];
-      const int pos = seq.context_len + (t_global - seq.token_offset);
-      const int lo = window > 0 ? std::max(0, pos - window + 1) : 0;
-      const float* qh = q + int64_t(t_global) * q_stride + int64_t(h) * D;
-      scores.resize(pos - lo + 1);
-      // Walk the positions block by block: one table lookup per block, no division per key.
-      float mx = -INFINITY;
-      for (int j0 = lo; j0 <= pos;) {
-        const int row0 = j0 % B, n = std::min(B - row0, pos - j0 + 1);
-        const float* k = cache.k_at(seq.block_table[j0 / B], g, row0);
-        for (int r = 0; r < n; ++r, k += D) {
-          const float sc = dot(qh, k, D) * scale;
-          scores[j0 - lo + r] = sc;
-          mx = std::max(mx, sc);
-        }
-        j0 += n;
-      }
-      const float inv = 1.0f / exp_shifted(scores.data(), int(scores.size()), mx);
-      float* oh = out + int64_t(t_global) * num_heads * D + int64_t(h) * D;
-      std::fill(oh, oh + D, 0.0f);
-      for (int j0 = lo; j0 <= pos;) {
-        const int row0 = j0 % B, n = std::min(B - row0, pos - j0 + 1);
-        const float* v = cache.v_at(seq.block_table[j0 / B], g, row0);
-        for (int r = 0; r < n; ++r, v += D) axpy(scores[j0 - lo + r] * inv, v, oh, D);
-        j0 += n;
-      }
-    }
+    if (cache.fp8) attention_items<uint8_t>(cache, seqs, token_seq, q, q_stride, num_heads, window, scale, out, begin, end);
+    else attention_items<float>(cache, seqs, token_seq, q, q_stride, num_heads, window, scale, out, begin, end);
   });
 }
 

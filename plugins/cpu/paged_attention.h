@@ -1,7 +1,8 @@
 // Paged attention over a packed batch, reading K/V in place through block tables.
 //
 // Cache layout per layer: [num_blocks][num_kv_heads][tokens_per_block][head_dim], so one
-// kv head's tokens within a block are contiguous. Token position p of a sequence lives
+// kv head's tokens within a block are contiguous. Elements are float32, or E4M3 bytes
+// with one K and one V scale per layer (fp8 KV cache: k = byte value * k_scale). Token position p of a sequence lives
 // in block block_table[p / tokens_per_block], row p % tokens_per_block.
 //
 // One kernel serves both phases: a context (prefill) chunk is several query tokens of a
@@ -17,17 +18,21 @@
 namespace precast {
 
 struct PagedKvLayer {
-  float* k = nullptr;
-  float* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
   int tokens_per_block = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
-  float* k_at(int block, int kv_head, int row) const {
-    return k + ((int64_t(block) * num_kv_heads + kv_head) * tokens_per_block + row) * head_dim;
+  bool fp8 = false;
+  float k_scale = 1.0f;  // fp8 only
+  float v_scale = 1.0f;
+  int64_t element_index(int block, int kv_head, int row) const {
+    return ((int64_t(block) * num_kv_heads + kv_head) * tokens_per_block + row) * head_dim;
   }
-  float* v_at(int block, int kv_head, int row) const {
-    return v + ((int64_t(block) * num_kv_heads + kv_head) * tokens_per_block + row) * head_dim;
-  }
+  template <class T>
+  T* k_at(int block, int kv_head, int row) const { return static_cast<T*>(k) + element_index(block, kv_head, row); }
+  template <class T>
+  T* v_at(int block, int kv_head, int row) const { return static_cast<T*>(v) + element_index(block, kv_head, row); }
 };
 
 struct AttentionSequence {
@@ -37,7 +42,7 @@ struct AttentionSequence {
   int token_offset = 0;  // first query row in the packed batch
 };
 
-// Store one token's K and V (num_kv_heads x head_dim each) at `position`.
+// Store one token's K and V (num_kv_heads x head_dim each) at `position` (quantized for fp8).
 void write_kv(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v);
 
 // out[t, h * head_dim ...] for every query token t and head h; q rows have `q_stride` floats.

@@ -1,0 +1,103 @@
+"""Calibration: activation statistics of a full-precision engine on real text.
+
+The engine runs on precast's own CPU runner with recording on (CpuRunner.start_calibration):
+for every linear layer's input it keeps the per-channel max |x| and mean |x| and a bounded sample
+of rows (for AWQ's search), and for K and V the max |x| per layer. No torch; memory is the
+engine's weights plus the samples, one sequence in flight at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import resource
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from precast.builder.engine import Engine
+from precast.errors import PrecastError
+
+DEFAULT_TEXT = "calibration.txt"  # quantization/data/, written for precast (Apache-2.0, like the code)
+
+
+@dataclass
+class ChannelStats:
+    amax: np.ndarray  # [cols] max |x| per input channel
+    mean_abs: np.ndarray  # [cols]
+    samples: np.ndarray  # [n, cols] rows kept for AWQ (may be empty)
+
+    @property
+    def tensor_amax(self) -> float:
+        return float(self.amax.max()) if self.amax.size else 0.0
+
+
+@dataclass
+class CalibrationResult:
+    stats: dict[str, ChannelStats]  # linear layer name / "layers.{i}.attn.k|v" -> statistics
+    report: dict[str, object] = field(default_factory=dict)  # recorded in the engine's quant.calibration
+
+
+def default_text() -> str:
+    return resources.files("precast.quantization").joinpath("data", DEFAULT_TEXT).read_text(encoding="utf-8")
+
+
+def calibration_sequences(engine: Engine, text_path: Path | None, samples: int, seq_len: int) -> tuple[list[list[int]], str]:
+    """Tokenize the calibration text and cut it into `samples` sequences of `seq_len` tokens."""
+    if engine.tokenizer_path is None:
+        raise PrecastError("calibration needs a tokenizer to read text, and this checkpoint has none; "
+                           "use the Python API's calib_tokens to give token ids instead")
+    from tokenizers import Tokenizer
+
+    if text_path is None:
+        text, source = default_text(), f"precast default text ({DEFAULT_TEXT})"
+    else:
+        try:
+            text = Path(text_path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PrecastError(f"cannot read --calib-text {text_path}: {e}") from e
+        source = str(Path(text_path).resolve())
+    ids = Tokenizer.from_file(str(engine.tokenizer_path)).encode(text, add_special_tokens=False).ids
+    need = samples * seq_len
+    if len(ids) < need:
+        raise PrecastError(
+            f"calibration text {source} has {len(ids)} tokens; --calib-samples {samples} x --calib-seq-len {seq_len} "
+            f"needs {need}: give a longer text or lower them"
+        )
+    # Spread the samples over the whole text rather than taking its beginning.
+    starts = np.linspace(0, len(ids) - seq_len, samples).astype(int)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return [ids[s : s + seq_len] for s in starts], f"{source} sha256:{digest[:16]}"
+
+
+def calibrate(engine: Engine, sequences: list[list[int]], max_sample_rows: int = 0, num_threads: int | None = None) -> CalibrationResult:
+    """Run every sequence through the engine with recording on; `max_sample_rows` rows per layer are kept."""
+    from precast.runtime.cpu_backend import make_cpu_runner
+
+    vocab = engine.config.model.vocab_size
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise PrecastError("calibration needs at least one non-empty token sequence")
+    for s in sequences:
+        bad = [t for t in s if not 0 <= t < vocab]
+        if bad:
+            raise PrecastError(f"calibration token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    start = time.perf_counter()
+    runner = make_cpu_runner(engine, num_threads)
+    total = sum(len(s) for s in sequences)
+    runner.start_calibration(max_sample_rows, max(1, total // max(1, max_sample_rows)) if max_sample_rows else 1)
+    for seq in sequences:
+        runner.evaluate(list(seq), False)
+    stats = {
+        name: ChannelStats(np.asarray(d["amax"]), np.asarray(d["mean_abs"]), np.asarray(d["samples"]))
+        for name, d in runner.calibration_stats().items()
+    }
+    del runner
+    report = {
+        "samples": len(sequences),
+        "tokens": total,
+        "seconds": round(time.perf_counter() - start, 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+    return CalibrationResult(stats, report)
