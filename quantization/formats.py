@@ -11,7 +11,9 @@ so stored values match every other implementation bit for bit.
   int4     signed 4-bit integers in [-8, 7], packed two per byte (low nibble first), one
            float32 scale per group of `group_size` inputs:   w ~ q * scale, scale = group_amax / 7
 
-Not yet wired into the builder or the runner (the quantization issue does that).
+Activations (the inputs of quantized linear layers) are quantized at run time by the C++
+runner (plugins/cpu/quantize.h); `fake_quant_*_activation` below are the definitions it is
+tested against bit for bit, in float32 arithmetic as the runner does it.
 """
 
 from __future__ import annotations
@@ -127,3 +129,25 @@ def quantize_int4(w: np.ndarray, group_size: int | None = None) -> Int4Tensor:
     q = np.clip(np.rint(groups / safe), -8, INT4_MAX).astype(np.int8).reshape(rows, cols)
     nib = (q & 0x0F).astype(np.uint8)
     return Int4Tensor((nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8), scales.astype(np.float32), g)
+
+
+def fake_quant_fp8_activation(x: np.ndarray, scale: float) -> np.ndarray:
+    """fp8 static: e4m3(clip(x / scale)) * scale, with the calibrated per-tensor scale."""
+    s = np.float32(scale)
+    q = np.clip(np.asarray(x, dtype=np.float32) / s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float32) * s
+
+
+def fake_quant_nvfp4_activation(x: np.ndarray, global_scale: float) -> np.ndarray:
+    """nvfp4 dynamic, per 16 consecutive values of each row: block_scale = e4m3(block_amax / (6 * global)),
+    effective = block_scale * global, x ~ e2m1(clip(x / effective)) * effective."""
+    x = np.asarray(x, dtype=np.float32)
+    rows, cols = x.shape
+    g = np.float32(global_scale)
+    blocks = x.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    block_scale = np.clip(amax / (np.float32(FP4_MAX) * g), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    effective = block_scale.astype(np.float32) * g
+    safe = np.where(effective > 0, effective, np.float32(1))
+    q = np.clip(blocks / safe, -FP4_MAX, FP4_MAX).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return (q * effective).reshape(rows, cols)

@@ -1,0 +1,107 @@
+"""The C++ side of quantization: FP8/FP4 rounding, activation quantization and the quantized
+linear kernels, against the Python definitions (quantization/formats.py) and ml_dtypes."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from precast import _C
+from precast.quantization.formats import (
+    fake_quant_fp8_activation,
+    fake_quant_nvfp4_activation,
+    quantize_fp8,
+    quantize_int4,
+    quantize_nvfp4,
+)
+
+RNG = np.random.default_rng(7)
+
+
+def _interesting_floats() -> np.ndarray:
+    """Random values over many binades, every E4M3 value and the midpoints between neighbours (ties)."""
+    every = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    every = every[np.isfinite(every)]
+    grid = np.unique(every)
+    ties = (grid[:-1] + grid[1:]) / 2
+    scale = np.float32(2.0) ** RNG.integers(-14, 10, 20000)
+    random = (RNG.standard_normal(20000) * scale).astype(np.float32)
+    return np.concatenate([every, ties, -ties, random, [0.0, -0.0, 448.0, 464.0, 500.0, -1e6, 1e-30]]).astype(np.float32)
+
+
+def test_e4m3_rounding_is_bit_exact_with_ml_dtypes():
+    x = _interesting_floats()
+    expected = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(_C.round_to_e4m3(x), expected.astype(np.float32))
+    np.testing.assert_array_equal(_C.e4m3_bits(x), expected.view(np.uint8))
+
+
+def test_e2m1_rounding_is_bit_exact_with_ml_dtypes():
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    ties = (grid[:-1] + grid[1:]) / 2
+    x = np.concatenate([grid, -grid, ties, -ties, RNG.standard_normal(20000).astype(np.float32) * 3, [7.0, -100.0]]).astype(np.float32)
+    expected = np.clip(x, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(_C.round_to_e2m1(x), expected)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.037, 2.5])
+def test_fp8_activation_quantization_matches_definition(scale):
+    x = (RNG.standard_normal((33, 80)) * RNG.exponential(1.0, (33, 80))).astype(np.float32)
+    np.testing.assert_array_equal(_C.fake_quant_fp8(x, scale), fake_quant_fp8_activation(x, scale))
+
+
+@pytest.mark.parametrize("global_scale", [1e-4, 3e-3, 0.2])
+def test_nvfp4_activation_quantization_matches_definition(global_scale):
+    x = (RNG.standard_normal((17, 96)) * RNG.exponential(1.0, (17, 96))).astype(np.float32)
+    x[3, :16] = 0.0  # an all-zero block
+    ours = _C.fake_quant_nvfp4(x, global_scale)
+    np.testing.assert_array_equal(ours, fake_quant_nvfp4_activation(x, global_scale))
+    # Dynamic per 16: every block uses at most 8 magnitudes of its own scale.
+    for block in ours.reshape(-1, 16):
+        assert len(np.unique(np.abs(block))) <= 8
+
+
+def _stored(fmt: str, w: np.ndarray, group: int | None = None):
+    """(dtype, values, group_scales, group_size, scale, dequantized) for one format."""
+    if fmt == "fp8":
+        q = quantize_fp8(w)
+        return _C.WeightDtype.FP8, q.values.view(np.uint8), None, 0, q.scale, q.dequantize()
+    if fmt == "nvfp4":
+        q4 = quantize_nvfp4(w)
+        return _C.WeightDtype.NVFP4, q4.packed, q4.block_scales.view(np.uint8), 16, q4.global_scale, q4.dequantize()
+    qi = quantize_int4(w, group)
+    return _C.WeightDtype.INT4, qi.packed, qi.scales, qi.group_size, 1.0, qi.dequantize()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4"])
+@pytest.mark.parametrize("rows,cols,group", [(64, 64, 32), (100, 96, 32), (130, 576, 64), (7, 128, 128)])
+def test_quantized_linear_matches_dequantized_matmul(fmt, rows, cols, group):
+    w = (RNG.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    dtype, values, scales, group_size, scale, dequantized = _stored(fmt, w, group)
+    for num_rows in (1, 2, 5, 6, 7, 13):  # every row-block size of the kernels and remainders
+        x = RNG.standard_normal((num_rows, cols)).astype(np.float32)
+        y = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, num_threads=2)
+        reference = x.astype(np.float64) @ dequantized.T.astype(np.float64)
+        np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4"])
+def test_quantized_linear_is_batch_invariant(fmt):
+    w = (RNG.standard_normal((200, 128)) * 0.1).astype(np.float32)
+    dtype, values, scales, group_size, scale, _ = _stored(fmt, w, 32)
+    x = RNG.standard_normal((11, 128)).astype(np.float32)
+    together = _C.linear(x, dtype, 200, 128, values, scales, group_size, scale, num_threads=2)
+    for r in range(11):
+        alone = _C.linear(x[r : r + 1], dtype, 200, 128, values, scales, group_size, scale, num_threads=1)
+        np.testing.assert_array_equal(alone[0], together[r])
+
+
+def test_linear_rejects_wrong_sizes():
+    w = np.zeros((64, 64), np.float32)
+    dtype, values, scales, group_size, scale, _ = _stored("int4", w + 1, 32)
+    x = np.ones((1, 64), np.float32)
+    with pytest.raises(ValueError, match="value bytes"):
+        _C.linear(x, dtype, 64, 64, values[:, :-1].copy(), scales, group_size, scale)
+    with pytest.raises(ValueError, match="group scales"):
+        _C.linear(x, dtype, 64, 64, values, scales[:, :-1].copy(), group_size, scale)

@@ -1,0 +1,265 @@
+"""Quantized engines end to end on tiny random models: build (calibration through the CPU runner),
+load, and run, checked against transformers running the same dequantized weights with the recipe's
+activation quantization applied to every linear input by hooks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from precast.builder.build import BuildOptions, build_engine
+from precast.builder.engine import load_engine
+from precast.builder.safetensors_file import SafetensorsWriter
+from precast.errors import PrecastError
+from precast.quantization import awq
+from precast.quantization.formats import (
+    Int4Tensor,
+    Nvfp4Tensor,
+    fake_quant_fp8_activation,
+    fake_quant_nvfp4_activation,
+)
+from precast.quantization.quantize import fold_awq
+from precast.quantization.recipe import QuantOptions, linear_shapes
+from precast.runtime.cpu_backend import make_cpu_runner
+from tests.conftest import TINY_CONFIGS, make_tiny_model
+
+RNG = np.random.default_rng(3)
+CALIB = tuple(tuple(RNG.integers(0, 128, 48).tolist()) for _ in range(4))
+PROMPT = RNG.integers(0, 128, 40).tolist()
+
+HF_LINEARS = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn.o": ("self_attn.o_proj",),
+              "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down": ("mlp.down_proj",)}
+
+
+def dequantized(engine, layer: str, entry: dict) -> np.ndarray:
+    rows, cols = linear_shapes(engine.config.model)[layer]
+    values = engine.weights.read(f"{layer}.weight")
+    if entry["format"] == "fp8":
+        return values.astype(np.float32) * np.float32(entry["weight_scale"])
+    scales = engine.weights.read(f"{layer}.weight_scale")
+    if entry["format"] == "nvfp4":
+        return Nvfp4Tensor(values, scales, entry["weight_global_scale"], (rows, cols)).dequantize()
+    return Int4Tensor(values, scales, int(entry["group_size"])).dequantize()
+
+
+def hf_twin(engine, arch: str, config_kwargs: dict):
+    """A transformers model holding the engine's weights (dequantized) with hooks that quantize
+    every quantized layer's input as the recipe defines."""
+    model = make_tiny_model(arch, config_kwargs)
+    spec = engine.config.model
+    layers = engine.config.quant.get("layers", {})
+    state = {}
+    for name in engine.weights.tensors:
+        if name.endswith(".weight_scale"):
+            continue
+        layer = name[: -len(".weight")]
+        array = dequantized(engine, layer, layers[layer]) if layer in layers else engine.weights.read(name).astype(np.float32)
+        state[name] = torch.from_numpy(np.ascontiguousarray(array))
+    hf_state = {}
+    sizes = {"attn.qkv": [spec.q_size, spec.kv_size, spec.kv_size], "mlp.gate_up": [spec.intermediate_size] * 2}
+    simple = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+              "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
+              "attn.o.weight": "self_attn.o_proj.weight", "mlp.down.weight": "mlp.down_proj.weight"}
+    for name, t in state.items():
+        if name == "embed.weight":
+            hf_state["model.embed_tokens.weight"] = t
+            if spec.tie_word_embeddings:
+                hf_state["lm_head.weight"] = t
+        elif name == "final_norm.weight":
+            hf_state["model.norm.weight"] = t
+        elif name == "lm_head.weight":
+            hf_state["lm_head.weight"] = t
+        else:
+            _, i, rest = name.split(".", 2)
+            p = f"model.layers.{i}."
+            if rest in simple:
+                hf_state[p + simple[rest]] = t
+            else:
+                kind, what = rest.rsplit(".", 1)
+                for part, chunk in zip(HF_LINEARS[kind], torch.split(t, sizes[kind], dim=0)):
+                    hf_state[f"{p}{part}.{what}"] = chunk
+    model.load_state_dict(hf_state, strict=True)
+
+    def hook_for(entry):
+        def hook(module, args):
+            x = args[0].detach().numpy().reshape(-1, args[0].shape[-1])
+            if entry["format"] == "fp8":
+                q = fake_quant_fp8_activation(x, entry["input_scale"])
+            else:
+                q = fake_quant_nvfp4_activation(x, entry["input_global_scale"])
+            return (torch.from_numpy(q).reshape(args[0].shape),)
+        return hook
+
+    for layer, entry in layers.items():
+        if entry["format"] == "int4":
+            continue
+        if layer in ("embed", "lm_head"):
+            model.lm_head.register_forward_pre_hook(hook_for(entry))
+            continue
+        _, i, kind = layer.split(".", 2)
+        for part in HF_LINEARS[kind]:
+            model.get_submodule(f"model.layers.{i}.{part}").register_forward_pre_hook(hook_for(entry))
+    return model
+
+
+CASES = [("llama", "fp8", False), ("qwen2", "fp8", True), ("llama3", "nvfp4", True), ("qwen3", "nvfp4", False),
+         ("mistral", "int4_awq", False), ("llama3", "int4_awq", True)]
+
+
+@pytest.mark.parametrize("name,recipe,lm_head", CASES)
+def test_quantized_engine_matches_transformers_on_the_same_quantization(name, recipe, lm_head, tiny_checkpoints, tmp_path):
+    arch, kwargs = TINY_CONFIGS[name]
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(tiny_checkpoints[name], out, progress=False,
+                              quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB)))
+    engine = load_engine(out)
+    q = engine.config.quant
+    assert q["recipe"] == recipe and q["lm_head"] == lm_head
+    assert len(q["layers"]) == 4 * engine.config.model.num_layers + lm_head
+    assert q["calibration"]["samples"] == len(CALIB)
+    stored = {"fp8": "F8_E4M3", "nvfp4": "U8", "int4_awq": "U8"}[recipe]
+    assert engine.weights.tensors["layers.0.mlp.down.weight"].dtype == stored
+    if recipe == "int4_awq":
+        shapes = linear_shapes(engine.config.model)
+        assert all(entry["group_size"] == {64: 64, 96: 32}[shapes[layer][1]] for layer, entry in q["layers"].items())
+        assert any(entry["awq"] for entry in q["layers"].values())
+    runner = make_cpu_runner(engine, num_threads=2)
+    ours = runner.evaluate(PROMPT, True)
+    with torch.no_grad():
+        theirs = hf_twin(engine, arch, kwargs)(torch.tensor([PROMPT])).logits[0].numpy()
+    # Same quantized values on both sides; what differs is float32 summation order, which can
+    # move an activation across a rounding boundary now and then.
+    scale = np.abs(theirs).max()
+    assert np.median(np.abs(ours - theirs)) < 1e-4 * scale
+    assert np.abs(ours - theirs).max() < 5e-2 * scale
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+
+
+def test_awq_folding_preserves_the_full_precision_model(tiny_checkpoints, tmp_path):
+    """x s on each layer's inputs and / s where the inputs are made is exact arithmetic: with random
+    scales on every foldable layer (V rows too, in a model where each query head has its own V head),
+    the folded full-precision engine computes the same logits."""
+    arch, kwargs = TINY_CONFIGS["qwen2"]  # qkv bias: the V bias is divided too
+    mha = make_tiny_model(arch, dict(kwargs, num_key_value_heads=kwargs["num_attention_heads"]))
+    mha.save_pretrained(tmp_path / "ckpt")
+    build_engine(BuildOptions(tmp_path / "ckpt", tmp_path / "full", progress=False))
+    full = load_engine(tmp_path / "full")
+    spec = full.config.model
+    targets = awq.fold_targets(0, spec.num_heads, spec.num_kv_heads)
+    assert all(targets.values()), "every layer foldable when heads are not grouped"
+    shapes = linear_shapes(spec)
+    scales = {layer: awq.AwqScale(RNG.uniform(0.5, 2.0, shapes[layer][1]).astype(np.float32), 0.5, 0.0, 0.0)
+              for i in range(spec.num_layers) for layer in awq.fold_targets(i, spec.num_heads, spec.num_kv_heads)}
+    shutil.copytree(tmp_path / "full", tmp_path / "folded")
+    layout = [(n, full.weights.read(n).dtype, info.shape) for n, info in full.weights.tensors.items()]
+    with open(tmp_path / "folded" / "weights.safetensors", "wb") as f:
+        writer = SafetensorsWriter(f, layout, metadata={})
+        for name, _, _ in layout:
+            writer.write(name, fold_awq(name, full.weights.read(name), scales, spec.q_size, spec.kv_size).astype(np.float32))
+        writer.finish()
+    a = make_cpu_runner(full).evaluate(PROMPT, True)
+    b = make_cpu_runner(load_engine(tmp_path / "folded")).evaluate(PROMPT, True)
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+
+
+def test_awq_search_never_loses_to_round_to_nearest():
+    w = RNG.standard_normal((64, 128)).astype(np.float32)
+    x = RNG.standard_normal((256, 128)).astype(np.float32)
+    x[:, :4] *= 30  # a few salient input channels
+    found = awq.search_scale(w, x, np.abs(x).mean(0), 32)
+    assert found.error <= found.error_rtn
+    assert found.alpha > 0 and found.error < 0.8 * found.error_rtn
+
+
+def test_fp8_kv_cache_matches_transformers_with_quantized_k_and_v(tiny_checkpoints, tmp_path, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    arch, kwargs = TINY_CONFIGS["llama"]
+    ckpt = tiny_checkpoints["llama"]
+    build_engine(BuildOptions(ckpt, tmp_path / "full", progress=False))
+    build_engine(BuildOptions(ckpt, tmp_path / "kv8", progress=False, quant=QuantOptions(kv_cache_dtype="fp8", calib_tokens=CALIB)))
+    engine = load_engine(tmp_path / "kv8")
+    assert engine.config.limits.kv_cache_dtype == "fp8" and engine.config.quant["recipe"] == "none"
+    kv = engine.config.quant["kv_cache"]
+    assert len(kv["k_scales"]) == engine.config.model.num_layers and min(kv["k_scales"] + kv["v_scales"]) > 0
+    full = load_engine(tmp_path / "full")
+    for name in full.weights.tensors:  # weights untouched: only the cache is E4M3
+        np.testing.assert_array_equal(engine.weights.read(name), full.weights.read(name))
+    runner = make_cpu_runner(engine)
+    assert runner.kv_block_bytes(32) * 4 == make_cpu_runner(full).kv_block_bytes(32)
+    ours = runner.evaluate(PROMPT, True)
+
+    # transformers with K (after RoPE) and V rounded to E4M3 with the engine's per-layer scales.
+    model = make_tiny_model(arch, kwargs)
+    current = {"layer": 0}
+
+    def fq(t, scale):
+        return torch.from_numpy(fake_quant_fp8_activation(t.detach().numpy(), scale))
+
+    rope = modeling_llama.apply_rotary_pos_emb
+
+    def rope_then_quantize(q, k, *args, **kw):
+        q, k = rope(q, k, *args, **kw)
+        return q, fq(k, kv["k_scales"][current["layer"]])
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rope_then_quantize)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_pre_hook(lambda m, a, k, i=i: current.update(layer=i), with_kwargs=True)
+        layer.self_attn.v_proj.register_forward_hook(lambda m, a, out, i=i: fq(out, kv["v_scales"][i]))
+    with torch.no_grad():
+        theirs = model(torch.tensor([PROMPT])).logits[0].numpy()
+        plain = make_tiny_model(arch, kwargs)(torch.tensor([PROMPT])).logits[0].numpy()
+    scale = np.abs(theirs).max()
+    assert np.abs(plain - theirs).max() > 1e-2 * scale  # the quantization is visible...
+    assert np.median(np.abs(ours - theirs)) < 1e-4 * scale  # ...and precast's is the same
+    assert np.abs(ours - theirs).max() < 5e-2 * scale
+
+
+def test_quantized_engine_generates_through_the_executor(tiny_checkpoints, tmp_path):
+    from precast import LLM, SamplingParams
+
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(tiny_checkpoints["llama"], out, progress=False,
+                              quant=QuantOptions(recipe="nvfp4", kv_cache_dtype="fp8", calib_tokens=CALIB)))
+    runner = make_cpu_runner(load_engine(out))
+    expected = []
+    tokens = list(PROMPT)
+    for _ in range(8):  # greedy by hand on the standalone runner
+        nxt = int(runner.evaluate(tokens, True)[-1].argmax())
+        expected.append(nxt)
+        tokens.append(nxt)
+    with LLM(out) as llm:
+        result = llm.generate([PROMPT] * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(r.token_ids == expected for r in result)
+
+
+def test_bad_quantized_builds_and_engines(tiny_checkpoints, tmp_path):
+    ckpt = tiny_checkpoints["llama"]
+    with pytest.raises(PrecastError, match="needs a tokenizer"):  # tiny checkpoints have none: text cannot be read
+        build_engine(BuildOptions(ckpt, tmp_path / "e1", progress=False, quant=QuantOptions(recipe="fp8")))
+    with pytest.raises(PrecastError, match="outside the vocabulary"):
+        build_engine(BuildOptions(ckpt, tmp_path / "e2", progress=False, quant=QuantOptions(recipe="fp8", calib_tokens=((1, 2, 500),))))
+    assert not (tmp_path / "e1").exists() and not (tmp_path / "e2").exists()
+    assert not list(tmp_path.glob(".e*"))  # no temporary directories left behind
+
+    build_engine(BuildOptions(ckpt, tmp_path / "good", progress=False, quant=QuantOptions(recipe="fp8", calib_tokens=CALIB)))
+    config_path = tmp_path / "good" / "config.json"
+    original = json.loads(config_path.read_text())
+    for mutate, message in [
+        (lambda c: c["quant"].update(recipe="int3"), "recipe 'int3'"),
+        (lambda c: c["quant"]["layers"]["layers.0.attn.o"].pop("input_scale"), "no valid input_scale"),
+        (lambda c: c["quant"]["layers"]["layers.1.mlp.down"].update(format="nvfp4", weight_global_scale=1, input_global_scale=1),
+         "layers.1.mlp.down.weight is F8_E4M3"),
+        (lambda c: c["quant"]["layers"].pop("layers.2.attn.qkv"), "layers.2.attn.qkv.weight is F8_E4M3"),
+    ]:
+        broken = json.loads(json.dumps(original))
+        mutate(broken)
+        config_path.write_text(json.dumps(broken))
+        with pytest.raises(PrecastError, match=message):
+            load_engine(tmp_path / "good")
+    config_path.write_text(json.dumps(original))
+    load_engine(tmp_path / "good")
