@@ -147,18 +147,23 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
     checkpoint = open_checkpoint(opts.checkpoint)
     spec = find_architecture(checkpoint.config).to_spec(checkpoint.config)
     plan = plan_layers(spec, q)  # shape problems are reported before any work
+    needs_activations = any(p.format in ("fp8", "nvfp4") for p in plan.values())
+    needs_awq = any(p.format == "int4" for p in plan.values())
+    sequences, source = None, ""
+    if needs_activations or needs_awq or q.kv_cache_dtype == "fp8":  # read the text before building anything
+        if q.calib_tokens is not None:
+            sequences, source = [list(t) for t in q.calib_tokens], "token ids given through the Python API"
+        else:
+            tokenizer = checkpoint.tokenizer()
+            raw = tokenizer.files.get("tokenizer.json") if tokenizer else None
+            tokenizer_json = raw.decode("utf-8") if raw else None
+            sequences, source = calibration_sequences(tokenizer_json, q.calib_text, q.calib_samples, q.calib_seq_len)
     opts.output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{opts.output.name}.full-", dir=opts.output.parent) as work:
         full = build_engine(replace(opts, output=Path(work) / "engine", force=False, quant=QuantOptions()))
         engine = load_engine(full.path)
-        needs_activations = any(p.format in ("fp8", "nvfp4") for p in plan.values())
-        needs_awq = any(p.format == "int4" for p in plan.values())
         calib = None
-        if needs_activations or needs_awq or q.kv_cache_dtype == "fp8":
-            if q.calib_tokens is not None:
-                sequences, source = [list(t) for t in q.calib_tokens], "token ids given through the Python API"
-            else:
-                sequences, source = calibration_sequences(engine, q.calib_text, q.calib_samples, q.calib_seq_len)
+        if sequences is not None:
             calib = calibrate(engine, sequences, max_sample_rows=AWQ_SAMPLE_ROWS if needs_awq else 0)
             calib.report["source"] = source
         section = quantize.quant_section(q, plan)

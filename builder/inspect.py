@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from precast.builder.engine import Engine
-from precast.builder.safetensors_file import DTYPES
 
 _READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3", "U8": "uint8"}
 
@@ -22,19 +20,16 @@ def _size(num_bytes: float) -> str:
 def engine_summary(engine: Engine) -> dict[str, object]:
     """The facts `inspect` prints, as data (also used by tests and `--json`)."""
     cfg = engine.config
-    params = sum(math.prod(t.shape) for t in engine.weights.tensors.values())
+    spec = cfg.model
+    params = spec.num_parameters()  # the model's, whatever the storage (4-bit formats pack two per byte)
     by_dtype: Counter[str] = Counter()
-    params_by_dtype: Counter[str] = Counter()
     for t in engine.weights.tensors.values():
         by_dtype[_READABLE.get(t.dtype, t.dtype)] += t.nbytes
-        params_by_dtype[_READABLE.get(t.dtype, t.dtype)] += t.nbytes // DTYPES[t.dtype].itemsize
-    spec = cfg.model
     return {
         "path": str(engine.path),
         "architecture": spec.architecture,
         "parameters": params,
         "bytes_by_dtype": dict(by_dtype),
-        "parameters_by_dtype": dict(params_by_dtype),
         "model": spec.to_dict(),
         "dtype": cfg.dtype,
         "quant": cfg.quant,
@@ -44,6 +39,21 @@ def engine_summary(engine: Engine) -> dict[str, object]:
         | {"chat_template": cfg.tokenizer.get("chat_template") is not None},
         "provenance": cfg.provenance,
     }
+
+
+def _quant_line(quant: dict, limits: dict) -> str:
+    kv = f"KV cache {limits['kv_cache_dtype']}"
+    if quant["recipe"] == "none":
+        return f"none, {kv}"
+    formats = Counter(entry["format"] for entry in quant.get("layers", {}).values())
+    parts = [quant["recipe"], ", ".join(f"{n} layers {f}" for f, n in sorted(formats.items())),
+             f"LM head {'quantized' if quant.get('lm_head') else 'not quantized'}", kv]
+    if quant.get("exclude"):
+        parts.append(f"excluded {', '.join(quant['exclude'])}")
+    calib = quant.get("calibration")
+    if calib:
+        parts.append(f"calibrated on {calib['tokens']} tokens ({calib['source']})")
+    return "; ".join(parts)
 
 
 def format_summary(s: dict[str, object]) -> str:
@@ -61,12 +71,10 @@ def format_summary(s: dict[str, object]) -> str:
         f"qkv bias {m['qkv_bias']}, qk-norm {m['qk_norm']}, sliding window {window}",
         f"rope           theta {m['rope_theta']:g}, scaling {rope}, context {m['max_position_embeddings']}",
         f"tied embedding {m['tie_word_embeddings']}",
-        f"dtype          {s['dtype']} (quant: {s['quant']['recipe']})",  # type: ignore[index]
+        f"dtype          {s['dtype']} (layers not quantized)",
+        f"quant          {_quant_line(s['quant'], s['limits'])}",  # type: ignore[arg-type]
         "weights        "
-        + ", ".join(
-            f"{dt}: {_size(b)} ({s['parameters_by_dtype'][dt]:,} params)"  # type: ignore[index]
-            for dt, b in sorted(s["bytes_by_dtype"].items())  # type: ignore[union-attr]
-        ),
+        + ", ".join(f"{dt}: {_size(b)}" for dt, b in sorted(s["bytes_by_dtype"].items())),  # type: ignore[union-attr]
         "limits         " + ", ".join(f"{k} {v}" for k, v in s["limits"].items()),  # type: ignore[union-attr]
         f"targets        {', '.join(s['targets'])}",  # type: ignore[arg-type]
     ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from precast.quantization.formats import quantize_int4
+from precast.quantization.formats import INT4_MAX
 
 GRID = 20
 
@@ -43,7 +43,7 @@ def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, g
         alpha = k / GRID
         s = np.maximum(mean_abs.astype(np.float32), 1e-4) ** np.float32(alpha)
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-        dequantized = quantize_int4(w * s, group_size).dequantize() / s
+        dequantized = int4_round_trip(w * s, group_size) / s
         error = float(np.mean((x @ dequantized.T - reference) ** 2))
         if k == 0:
             error_rtn = error
@@ -62,3 +62,12 @@ def fold_targets(layer: int, num_heads: int, num_kv_heads: int) -> dict[str, str
         p + "mlp.gate_up": p + "mlp_norm.weight",
         p + "mlp.down": p + "mlp.gate_up (up rows)",
     }
+
+
+def int4_round_trip(w: np.ndarray, group_size: int) -> np.ndarray:
+    """quantize_int4(w, group_size).dequantize() without packing (the search runs it 20 times per layer)."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // group_size, group_size)
+    scales = np.abs(groups).max(axis=2, keepdims=True) / INT4_MAX
+    safe = np.where(scales > 0, scales, 1.0)
+    return (np.clip(np.rint(groups / safe), -8, INT4_MAX) * scales).reshape(rows, cols).astype(np.float32)

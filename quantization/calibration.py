@@ -44,9 +44,9 @@ def default_text() -> str:
     return resources.files("precast.quantization").joinpath("data", DEFAULT_TEXT).read_text(encoding="utf-8")
 
 
-def calibration_sequences(engine: Engine, text_path: Path | None, samples: int, seq_len: int) -> tuple[list[list[int]], str]:
+def calibration_sequences(tokenizer_json: str | None, text_path: Path | None, samples: int, seq_len: int) -> tuple[list[list[int]], str]:
     """Tokenize the calibration text and cut it into `samples` sequences of `seq_len` tokens."""
-    if engine.tokenizer_path is None:
+    if tokenizer_json is None:
         raise PrecastError("calibration needs a tokenizer to read text, and this checkpoint has none; "
                            "use the Python API's calib_tokens to give token ids instead")
     from tokenizers import Tokenizer
@@ -59,7 +59,7 @@ def calibration_sequences(engine: Engine, text_path: Path | None, samples: int, 
         except (OSError, UnicodeDecodeError) as e:
             raise PrecastError(f"cannot read --calib-text {text_path}: {e}") from e
         source = str(Path(text_path).resolve())
-    ids = Tokenizer.from_file(str(engine.tokenizer_path)).encode(text, add_special_tokens=False).ids
+    ids = Tokenizer.from_str(tokenizer_json).encode(text, add_special_tokens=False).ids
     need = samples * seq_len
     if len(ids) < need:
         raise PrecastError(

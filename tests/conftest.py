@@ -129,3 +129,20 @@ def smollm2_llm(smollm2_bf16_engine):
     llm = LLM(smollm2_bf16_engine, kv_cache_memory=1 << 30)
     yield llm
     llm.shutdown()
+
+
+# Small calibration keeps CI fast; benchmarks/quality.py uses the full default (16 x 256 tokens).
+SMALL_CALIBRATION = dict(calib_samples=8, calib_seq_len=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_quantized_engines(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
+    """recipe -> SmolLM2 engine quantized with it (float32 embeddings and head, as the GGUF build's dtype)."""
+    from precast.builder.build import BuildOptions, build_engine
+    from precast.quantization.recipe import QuantOptions
+
+    root = tmp_path_factory.mktemp("smollm2-quant")
+    for recipe in ("fp8", "nvfp4", "int4_awq"):
+        build_engine(BuildOptions(smollm2_gguf, root / recipe, max_seq_len=2048, progress=False,
+                                  quant=QuantOptions(recipe=recipe, **SMALL_CALIBRATION)))
+    return {recipe: root / recipe for recipe in ("fp8", "nvfp4", "int4_awq")}

@@ -28,7 +28,8 @@ def test_build_then_inspect(tiny_checkpoints, tmp_path):
     for expected in ("architecture   qwen3", "qk-norm True", "bfloat16", "max_seq_len 128", "max_batch_size 4", "targets        cpu", "sha256"):
         assert expected in r.stdout, expected
     summary = json.loads(precast("inspect", str(out), "--json").stdout)
-    assert summary["parameters"] == sum(summary["parameters_by_dtype"].values())
+    sizes = summary["bytes_by_dtype"]
+    assert summary["parameters"] == sizes["bfloat16"] // 2 + sizes["float32"] // 4
     assert set(summary["bytes_by_dtype"]) == {"bfloat16", "float32"}  # matrices bf16, norms float32
     assert summary["provenance"]["source_format"] == "hf"
 
@@ -44,6 +45,36 @@ def test_errors_are_one_line_without_traceback(args, message):
     r = precast(*args)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_quantized_build_from_the_command_line(smollm2_gguf, tmp_path):
+    out = tmp_path / "fp8"
+    r = precast("build", "--checkpoint", str(smollm2_gguf), "--output", str(out), "--quant", "fp8", "--kv-cache-dtype", "fp8",
+                "--exclude", "layers.0.*", "--calib-samples", "2", "--calib-seq-len", "64", "--max-seq-len", "512", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "quantized: fp8, 116 layers, KV cache fp8; calibration 2 x 64 tokens" in r.stdout
+    r = precast("inspect", str(out))
+    assert "quant          fp8; 116 layers fp8; LM head not quantized; KV cache fp8; excluded layers.0.*" in r.stdout
+    r = precast("run", str(out), "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12")
+    assert r.returncode == 0 and "Paris" in r.stdout, r.stdout + r.stderr
+
+
+def test_quantized_build_errors(smollm2_gguf, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to calibrate on.")
+    cases = [
+        (["--quant", "int8"], "unknown --quant 'int8'; choose from none, fp8, nvfp4, int4_awq"),
+        (["--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4' is not supported"),
+        (["--quant", "fp8", "--calib-text", str(tmp_path / "missing.txt")], "missing.txt does not exist"),
+        (["--quant", "fp8", "--calib-text", str(short)], "has 7 tokens; --calib-samples 16 x --calib-seq-len 256 needs 4096"),
+        (["--quant", "nvfp4", "--exclude", "q_proj"], "--exclude q_proj matches no layer"),
+    ]
+    for extra, message in cases:
+        r = precast("build", "--checkpoint", str(smollm2_gguf), "--output", str(tmp_path / "e"), "--quiet", *extra)
+        assert r.returncode == 2, (extra, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
+        assert not (tmp_path / "e").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["short.txt"]  # nothing half-built left behind
 
 
 def test_run_chat_prints_the_answer(smollm2_bf16_engine):

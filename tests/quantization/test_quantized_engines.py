@@ -21,6 +21,7 @@ from precast.quantization.formats import (
     Nvfp4Tensor,
     fake_quant_fp8_activation,
     fake_quant_nvfp4_activation,
+    quantize_int4,
 )
 from precast.quantization.quantize import fold_awq
 from precast.quantization.recipe import QuantOptions, linear_shapes
@@ -164,6 +165,11 @@ def test_awq_folding_preserves_the_full_precision_model(tiny_checkpoints, tmp_pa
     a = make_cpu_runner(full).evaluate(PROMPT, True)
     b = make_cpu_runner(load_engine(tmp_path / "folded")).evaluate(PROMPT, True)
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+
+
+def test_awq_round_trip_is_the_int4_format():
+    w = RNG.standard_normal((48, 192)).astype(np.float32)
+    np.testing.assert_array_equal(awq.int4_round_trip(w, 64), quantize_int4(w, 64).dequantize())
 
 
 def test_awq_search_never_loses_to_round_to_nearest():
