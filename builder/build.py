@@ -38,6 +38,7 @@ from precast.builder.limits import resolve_limits
 from precast.builder.safetensors_file import DTYPES, SafetensorsWriter
 from precast.builder.weights import PlannedTensor, plan_weights
 from precast.errors import PrecastError
+from precast.quantization import prequantized
 from precast.quantization.recipe import QuantOptions, plan_layers
 
 
@@ -90,7 +91,14 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     arch = find_architecture(checkpoint.config)
     spec = arch.to_spec(checkpoint.config)
     limits = resolve_limits(spec, opts.max_batch_size, opts.max_seq_len, opts.max_num_tokens, opts.tokens_per_block)
-    plan = plan_weights(spec, arch, checkpoint)
+    quant: dict = {"recipe": "none"}
+    if checkpoint.prequantized:  # FP8 from modelopt: its scales, no recalibration (quantization/prequantized.py)
+        plan = plan_weights(spec, arch, checkpoint, also_used=prequantized.scale_tensors(checkpoint))
+        layers = prequantized.quantized_layers(checkpoint, plan)
+        quant = {"recipe": "fp8", "lm_head": "lm_head" in layers or "embed" in layers, "exclude": [], "layers": layers,
+                 "source": f"{checkpoint.prequantized['method']} {checkpoint.prequantized['algo']} export, not recalibrated"}
+    else:
+        plan = plan_weights(spec, arch, checkpoint)
     dtype = opts.dtype or default_dtype(checkpoint)
     tokenizer = checkpoint.tokenizer()
 
@@ -109,6 +117,7 @@ def build_engine(opts: BuildOptions) -> BuildResult:
             "chat_template": tokenizer.chat_template,
         },
         generation=_generation_defaults(checkpoint),
+        quant=quant,
         provenance={
             "source": str(Path(opts.checkpoint).resolve()),
             "source_format": checkpoint.format,
@@ -127,7 +136,11 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         ) as bar:
             writer = SafetensorsWriter(f, layout, metadata={"format": "precast"})
             for tensor, (_, target, _) in zip(plan, layout):
-                array = _convert(_read_fused(checkpoint, tensor), target, tensor.name)
+                layer = tensor.name[: -len(".weight")]
+                if layer in quant.get("layers", {}):
+                    array = prequantized.fuse_fp8(checkpoint, tensor, quant["layers"][layer]).view(target)
+                else:
+                    array = _convert(_read_fused(checkpoint, tensor), target, tensor.name)
                 writer.write(tensor.name, array)
                 bar.update(array.nbytes)
             writer.finish()
@@ -145,6 +158,11 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
 
     q = opts.quant
     checkpoint = open_checkpoint(opts.checkpoint)
+    if checkpoint.prequantized:
+        raise PrecastError(
+            f"{opts.checkpoint} is already quantized ({checkpoint.prequantized['method']} {checkpoint.prequantized['algo']}); "
+            "build it without --quant / --kv-cache-dtype to use its own scales, or quantize the full-precision checkpoint"
+        )
     spec = find_architecture(checkpoint.config).to_spec(checkpoint.config)
     plan = plan_layers(spec, q)  # shape problems are reported before any work
     needs_activations = any(p.format in ("fp8", "nvfp4") for p in plan.values())

@@ -65,7 +65,7 @@ class PlannedTensor:
     shape: Shape
 
 
-def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint) -> list[PlannedTensor]:
+def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, also_used: set[str] = frozenset()) -> list[PlannedTensor]:
     """Map every engine tensor to its sources, checking names and shapes before any data is read.
 
     Fails when a needed tensor is missing, has the wrong shape, or when the checkpoint has a
@@ -90,7 +90,7 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint) ->
     ignored = {s.format(i=i) for s in IGNORED_ALWAYS for i in range(spec.num_layers)}
     if spec.tie_word_embeddings:
         ignored.update(IGNORED_WHEN_TIED)
-    unused = sorted(available - used - ignored)
+    unused = sorted(available - used - ignored - also_used)  # also_used: e.g. a pre-quantized checkpoint's scales
     if unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         problems.append(f"{len(unused)} checkpoint tensor(s) that a {spec.architecture} model with this config does not use: {shown}")

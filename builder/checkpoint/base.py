@@ -33,6 +33,8 @@ class Checkpoint(abc.ABC):
     path: Path
     format: str  # "hf" or "gguf"
     config: dict[str, Any]  # as an HF config.json would hold it
+    # Set when the weights were quantized elsewhere (quantization/prequantized.py): {"method", "algo"}.
+    prequantized: dict[str, Any] | None = None
 
     @abc.abstractmethod
     def tensor_names(self) -> list[str]: ...

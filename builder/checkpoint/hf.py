@@ -24,6 +24,27 @@ def _read_json(path: Path) -> Any:
         raise PrecastError(f"{path} is not valid JSON ({e}); the checkpoint may be corrupt") from e
 
 
+def _prequantized(path: Path, quant: Any) -> dict[str, Any]:
+    """Accept modelopt's FP8 export (weights and activations, per tensor); refuse the rest clearly."""
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    algo = quant.get("quant_algo") if isinstance(quant, dict) else None
+    if method != "modelopt" or algo != "FP8":
+        raise PrecastError(
+            f"{path} is a pre-quantized checkpoint (quantization_config.quant_method={method!r}, quant_algo={algo!r}); "
+            "precast builds full-precision checkpoints (quantize them with `precast build --quant ...`) and modelopt "
+            "FP8 exports. Use the original full-precision checkpoint."
+        )
+    hf_quant = path / "hf_quant_config.json"
+    kv_algo = (_read_json(hf_quant).get("quantization", {}) if hf_quant.is_file() else {}).get("kv_cache_quant_algo")
+    if kv_algo or quant.get("kv_cache_scheme"):
+        raise PrecastError(
+            f"{path} has a quantized KV cache ({kv_algo or quant.get('kv_cache_scheme')}), whose scales precast does not "
+            "import yet; re-export it without KV cache quantization (for an fp8 KV cache, build the full-precision "
+            "checkpoint with --quant fp8 --kv-cache-dtype fp8)"
+        )
+    return {"method": method, "algo": algo}
+
+
 class HFCheckpoint(Checkpoint):
     format = "hf"
 
@@ -37,11 +58,7 @@ class HFCheckpoint(Checkpoint):
             raise PrecastError(f"{config_path} is not a JSON object")
         quant = self.config.get("quantization_config")
         if quant:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-            raise PrecastError(
-                f"{path} is a pre-quantized checkpoint (quantization_config.quant_method={method!r}); precast builds "
-                "full-precision checkpoints only so far. Use the original full-precision checkpoint."
-            )
+            self.prequantized = _prequantized(path, quant)
         self._files = self._weight_files()
         self._where: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
         for st in (SafetensorsFile(p) for p in self._files):

@@ -269,3 +269,48 @@ def test_bad_quantized_builds_and_engines(tiny_checkpoints, tmp_path):
             load_engine(tmp_path / "good")
     config_path.write_text(json.dumps(original))
     load_engine(tmp_path / "good")
+
+
+def test_modelopt_fp8_export_builds_without_recalibration(tmp_path):
+    """modelopt quantizes (FP8, max calibration) and exports an HF checkpoint on CPU; precast builds it
+    with modelopt's values and scales and runs it as the recipe defines."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_hf_checkpoint
+    from safetensors import safe_open
+
+    arch, kwargs = TINY_CONFIGS["qwen2"]  # qkv bias, tied embeddings
+    model = make_tiny_model(arch, kwargs)
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    calib = torch.tensor(CALIB)
+    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: [m(row[None]) for row in calib])
+    export_hf_checkpoint(model, export_dir=tmp_path / "fp8")
+
+    result = build_engine(BuildOptions(tmp_path / "fp8", tmp_path / "engine", progress=False))
+    engine = load_engine(tmp_path / "engine")
+    q = engine.config.quant
+    assert result.config.quant["recipe"] == "fp8" and "not recalibrated" in q["source"] and "calibration" not in q
+    assert len(q["layers"]) == 4 * engine.config.model.num_layers and not q["lm_head"]
+    exported = safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt")
+
+    def part(name: str) -> np.ndarray:
+        values = exported.get_tensor(f"model.layers.1.{name}.weight").float().numpy()
+        return values * exported.get_tensor(f"model.layers.1.{name}.weight_scale").item()
+
+    # Unfused layers keep modelopt's bytes and scales exactly.
+    down = exported.get_tensor("model.layers.1.mlp.down_proj.weight").view(torch.uint8).numpy()
+    np.testing.assert_array_equal(engine.weights.read("layers.1.mlp.down.weight").view(np.uint8), down)
+    entry = q["layers"]["layers.1.mlp.down"]
+    assert entry["weight_scale"] == pytest.approx(exported.get_tensor("model.layers.1.mlp.down_proj.weight_scale").item(), rel=1e-7)
+    assert entry["input_scale"] == pytest.approx(exported.get_tensor("model.layers.1.mlp.down_proj.input_scale").item(), rel=1e-7)
+    # Fused layers: the parts on one shared scale, each value within one E4M3 step of modelopt's.
+    fused = dequantized(engine, "layers.1.attn.qkv", q["layers"]["layers.1.attn.qkv"])
+    parts = np.concatenate([part("self_attn.q_proj"), part("self_attn.k_proj"), part("self_attn.v_proj")])
+    assert np.all(np.abs(fused - parts) <= np.abs(parts) * 2**-3 + 2**-9 * q["layers"]["layers.1.attn.qkv"]["weight_scale"])
+    # The runner computes what the recipe defines on those values.
+    ours = make_cpu_runner(engine).evaluate(PROMPT, True)
+    with torch.no_grad():
+        theirs = hf_twin(engine, arch, kwargs)(torch.tensor([PROMPT])).logits[0].numpy()
+    scale = np.abs(theirs).max()
+    assert np.median(np.abs(ours - theirs)) < 1e-4 * scale
+    with pytest.raises(PrecastError, match="already quantized.*without --quant"):
+        build_engine(BuildOptions(tmp_path / "fp8", tmp_path / "again", progress=False, quant=QuantOptions(recipe="nvfp4")))

@@ -1,0 +1,61 @@
+"""Quality of each quantization recipe on SmolLM2-135M-Instruct against the float32 engine.
+
+Builds the float32 engine and one engine per recipe (full default calibration: precast's text,
+16 x 256 tokens), then on the held-out text (quantization/data/heldout.txt, 512-token windows):
+perplexity, its ratio to float32, mean per-token KL(float32 || recipe), top-1 agreement; plus
+engine size and the calibration's time and peak memory (as the build recorded them).
+
+    python benchmarks/quality.py [--recipes fp8 nvfp4 int4_awq] [--kv-fp8] [--windows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", default=["fp8", "nvfp4", "int4_awq"])
+    parser.add_argument("--kv-fp8", action="store_true", help="also each recipe with an fp8 KV cache, and fp32 weights with one")
+    parser.add_argument("--windows", type=int, default=None, help="held-out windows (default: all)")
+    args = parser.parse_args()
+
+    from precast.builder.build import BuildOptions, build_engine
+    from precast.builder.engine import load_engine
+    from precast.packaged import packaged_model_path
+    from precast.quantization.quality import compare, heldout_windows
+    from precast.quantization.recipe import QuantOptions
+
+    gguf = packaged_model_path("smollm2-135m-instruct")
+    variants = [(r, "auto") for r in args.recipes]
+    if args.kv_fp8:
+        variants += [("none", "fp8")] + [(r, "fp8") for r in args.recipes]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = Path(tmp) / "float32"
+        build_engine(BuildOptions(gguf, reference, max_seq_len=2048, progress=False))
+        windows = heldout_windows(load_engine(reference), 512, args.windows)
+        ref_size = (reference / "weights.safetensors").stat().st_size
+        for recipe, kv in variants:
+            out = Path(tmp) / f"{recipe}-{kv}"
+            result = build_engine(BuildOptions(gguf, out, max_seq_len=2048, progress=False,
+                                               quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv)))
+            ours, ref = compare(out, reference, windows)
+            calib = result.config.quant.get("calibration", {})
+            size = (out / "weights.safetensors").stat().st_size
+            rows.append((recipe, kv, f"{ours.perplexity:.3f}", f"{ours.perplexity / ref.perplexity:.4f}", f"{ours.mean_kl:.4f}",
+                         f"{ours.top1_agreement:.3f}", f"{size / 2**20:.1f}", f"{result.seconds:.1f}",
+                         f"{calib.get('seconds', 0):.1f}", f"{calib.get('peak_rss_mb', 0)}"))
+        print(f"\nSmolLM2-135M-Instruct, held-out text {windows and len(windows)} x 512 tokens "
+              f"({sum(len(w) - 1 for w in windows)} predictions); float32 perplexity {ref.perplexity:.3f}, "
+              f"{ref_size / 2**20:.1f} MiB\n")
+        print("| recipe | KV cache | perplexity | vs float32 | mean KL (nats) | top-1 agreement | weights MiB | build s | calibration s | build peak RSS MB |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
