@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -102,6 +103,14 @@ inline __m512 load16(const void* base, int64_t i) {
   }
 }
 
+// 32 E4M3 bytes at once (the same conversion as load16, in 512-bit steps: fewer instructions).
+inline void load32_fp8(const void* base, int64_t i, __m512& lo, __m512& hi) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(base) + i));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(short(0xBFFF)));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
 inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias, float out_scale, float* y, int64_t y_stride) {
   const __m512 s = _mm512_set1_ps(out_scale);
   for (int v = 0; v < 4; ++v) {
@@ -112,6 +121,13 @@ inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias
     for (int r = 0; r < nr; ++r) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, mask, _mm512_fmadd_ps(acc[r][v], s, b));
   }
 }
+
+template <WeightDtype DT>
+using Element = std::conditional_t<DT == WeightDtype::kF32, float, std::conditional_t<DT == WeightDtype::kFP8, uint8_t, uint16_t>>;
+
+// Quantized panels are consumed slower than DRAM streams them (conversion work per byte), and
+// the hardware prefetcher alone then leaves the loop waiting on memory: fetch ahead by hand.
+constexpr int kPrefetchBytes = 4096;
 
 // NR input rows x one 64-output panel: 4 x NR accumulators, one broadcast FMA per input
 // element and output vector.
@@ -124,8 +140,18 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int i = 0; i < w.cols; ++i) {
     const int64_t off = int64_t(i) * kPanel;
-    const __m512 w0 = load16<DT>(panel, off), w1 = load16<DT>(panel, off + 16);
-    const __m512 w2 = load16<DT>(panel, off + 32), w3 = load16<DT>(panel, off + 48);
+    if constexpr (DT != WeightDtype::kF32) {  // float32 is consumed fast enough for the hardware prefetcher
+      const char* ahead = reinterpret_cast<const char*>(panel) + off * sizeof(Element<DT>) + kPrefetchBytes;
+      for (size_t line = 0; line < sizeof(Element<DT>); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
+    __m512 w0, w1, w2, w3;
+    if constexpr (DT == WeightDtype::kFP8) {
+      load32_fp8(panel, off, w0, w1);
+      load32_fp8(panel, off + 32, w2, w3);
+    } else {
+      w0 = load16<DT>(panel, off), w1 = load16<DT>(panel, off + 16);
+      w2 = load16<DT>(panel, off + 32), w3 = load16<DT>(panel, off + 48);
+    }
     for (int r = 0; r < NR; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
       acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
@@ -158,6 +184,7 @@ inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatr
     }
     for (int i = g * w.group_size; i < (g + 1) * w.group_size; ++i) {
       const uint8_t* bytes = panel + int64_t(i) * (kPanel / 2);
+      if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
       const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
       const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(c0, lut), s[0]);
