@@ -11,8 +11,29 @@ engine size and the calibration's time and peak memory (as the build recorded th
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+
+# Each build runs in its own process, so its peak memory is its own.
+_BUILD = """
+import json, resource, sys
+from pathlib import Path
+from precast.builder.build import BuildOptions, build_engine
+from precast.quantization.recipe import QuantOptions
+gguf, out, recipe, kv = sys.argv[1:5]
+r = build_engine(BuildOptions(Path(gguf), Path(out), max_seq_len=2048, progress=False,
+                              quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv)))
+print(json.dumps({"seconds": r.seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                  "calibration": r.config.quant.get("calibration", {})}))
+"""
+
+
+def build(gguf: Path, out: Path, recipe: str, kv: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _BUILD, str(gguf), str(out), recipe, kv], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -26,7 +47,6 @@ def main() -> None:
     from precast.builder.engine import load_engine
     from precast.packaged import packaged_model_path
     from precast.quantization.quality import compare, heldout_windows
-    from precast.quantization.recipe import QuantOptions
 
     gguf = packaged_model_path("smollm2-135m-instruct")
     variants = [(r, "auto") for r in args.recipes]
@@ -40,14 +60,12 @@ def main() -> None:
         ref_size = (reference / "weights.safetensors").stat().st_size
         for recipe, kv in variants:
             out = Path(tmp) / f"{recipe}-{kv}"
-            result = build_engine(BuildOptions(gguf, out, max_seq_len=2048, progress=False,
-                                               quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv)))
+            built = build(gguf, out, recipe, kv)
             ours, ref = compare(out, reference, windows)
-            calib = result.config.quant.get("calibration", {})
             size = (out / "weights.safetensors").stat().st_size
             rows.append((recipe, kv, f"{ours.perplexity:.3f}", f"{ours.perplexity / ref.perplexity:.4f}", f"{ours.mean_kl:.4f}",
-                         f"{ours.top1_agreement:.3f}", f"{size / 2**20:.1f}", f"{result.seconds:.1f}",
-                         f"{calib.get('seconds', 0):.1f}", f"{calib.get('peak_rss_mb', 0)}"))
+                         f"{ours.top1_agreement:.3f}", f"{size / 2**20:.1f}", f"{built['seconds']:.1f}",
+                         f"{built['calibration'].get('seconds', 0):.1f}", f"{built['peak_rss_mb']}"))
         print(f"\nSmolLM2-135M-Instruct, held-out text {windows and len(windows)} x 512 tokens "
               f"({sum(len(w) - 1 for w in windows)} predictions); float32 perplexity {ref.perplexity:.3f}, "
               f"{ref_size / 2**20:.1f} MiB\n")
