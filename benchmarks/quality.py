@@ -19,14 +19,15 @@ from pathlib import Path
 
 # Each build runs in its own process, so its peak memory is its own.
 _BUILD = """
-import json, resource, sys
+import json, sys
 from pathlib import Path
 from precast.builder.build import BuildOptions, build_engine
+from precast.quantization.calibration import peak_rss_mb
 from precast.quantization.recipe import QuantOptions
 gguf, out, recipe, kv = sys.argv[1:5]
 r = build_engine(BuildOptions(Path(gguf), Path(out), max_seq_len=2048, progress=False,
                               quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv)))
-print(json.dumps({"seconds": r.seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+print(json.dumps({"seconds": r.seconds, "peak_rss_mb": peak_rss_mb(),
                   "calibration": r.config.quant.get("calibration", {})}))
 """
 

@@ -40,6 +40,18 @@ class CalibrationResult:
     report: dict[str, object] = field(default_factory=dict)  # recorded in the engine's quant.calibration
 
 
+def peak_rss_mb() -> int:
+    """This process's peak resident memory so far. VmHWM belongs to the address space, so unlike
+    ru_maxrss it does not carry over the parent's size into a freshly started child."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
 def default_text() -> str:
     return resources.files("precast.quantization").joinpath("data", DEFAULT_TEXT).read_text(encoding="utf-8")
 
@@ -98,6 +110,6 @@ def calibrate(engine: Engine, sequences: list[list[int]], max_sample_rows: int =
         "samples": len(sequences),
         "tokens": total,
         "seconds": round(time.perf_counter() - start, 2),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_mb": peak_rss_mb(),
     }
     return CalibrationResult(stats, report)

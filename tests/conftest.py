@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,8 @@ def make_tiny_model(arch: str, config_kwargs: dict, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(arch, **config_kwargs)
+    # A deep copy: transformers edits nested dicts it is given (rope_parameters), and TINY_CONFIGS is shared.
+    config = AutoConfig.for_model(arch, **copy.deepcopy(config_kwargs))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():

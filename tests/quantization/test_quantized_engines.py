@@ -4,6 +4,7 @@ activation quantization applied to every linear input by hooks."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -47,10 +48,13 @@ def dequantized(engine, layer: str, entry: dict) -> np.ndarray:
     return Int4Tensor(values, scales, int(entry["group_size"])).dequantize()
 
 
-def hf_twin(engine, arch: str, config_kwargs: dict):
-    """A transformers model holding the engine's weights (dequantized) with hooks that quantize
-    every quantized layer's input as the recipe defines."""
-    model = make_tiny_model(arch, config_kwargs)
+def hf_twin(engine, checkpoint):
+    """A transformers model of the checkpoint's config holding the engine's weights (dequantized),
+    with hooks that quantize every quantized layer's input as the recipe defines."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # from_config, not from_pretrained (which modelopt patches once imported): every weight is replaced below.
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32).eval()
     spec = engine.config.model
     layers = engine.config.quant.get("layers", {})
     state = {}
@@ -113,7 +117,6 @@ CASES = [("llama", "fp8", False), ("qwen2", "fp8", True), ("llama3", "nvfp4", Tr
 
 @pytest.mark.parametrize("name,recipe,lm_head", CASES)
 def test_quantized_engine_matches_transformers_on_the_same_quantization(name, recipe, lm_head, tiny_checkpoints, tmp_path):
-    arch, kwargs = TINY_CONFIGS[name]
     out = tmp_path / "engine"
     build_engine(BuildOptions(tiny_checkpoints[name], out, progress=False,
                               quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB)))
@@ -131,7 +134,7 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
     runner = make_cpu_runner(engine, num_threads=2)
     ours = runner.evaluate(PROMPT, True)
     with torch.no_grad():
-        theirs = hf_twin(engine, arch, kwargs)(torch.tensor([PROMPT])).logits[0].numpy()
+        theirs = hf_twin(engine, tiny_checkpoints[name])(torch.tensor([PROMPT])).logits[0].numpy()
     # Same quantized values on both sides; what differs is float32 summation order, which can
     # move an activation across a rounding boundary now and then.
     scale = np.abs(theirs).max()
@@ -184,7 +187,6 @@ def test_awq_search_never_loses_to_round_to_nearest():
 def test_fp8_kv_cache_matches_transformers_with_quantized_k_and_v(tiny_checkpoints, tmp_path, monkeypatch):
     from transformers.models.llama import modeling_llama
 
-    arch, kwargs = TINY_CONFIGS["llama"]
     ckpt = tiny_checkpoints["llama"]
     build_engine(BuildOptions(ckpt, tmp_path / "full", progress=False))
     build_engine(BuildOptions(ckpt, tmp_path / "kv8", progress=False, quant=QuantOptions(kv_cache_dtype="fp8", calib_tokens=CALIB)))
@@ -200,7 +202,9 @@ def test_fp8_kv_cache_matches_transformers_with_quantized_k_and_v(tiny_checkpoin
     ours = runner.evaluate(PROMPT, True)
 
     # transformers with K (after RoPE) and V rounded to E4M3 with the engine's per-layer scales.
-    model = make_tiny_model(arch, kwargs)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     current = {"layer": 0}
 
     def fq(t, scale):
@@ -218,7 +222,7 @@ def test_fp8_kv_cache_matches_transformers_with_quantized_k_and_v(tiny_checkpoin
         layer.self_attn.v_proj.register_forward_hook(lambda m, a, out, i=i: fq(out, kv["v_scales"][i]))
     with torch.no_grad():
         theirs = model(torch.tensor([PROMPT])).logits[0].numpy()
-        plain = make_tiny_model(arch, kwargs)(torch.tensor([PROMPT])).logits[0].numpy()
+        plain = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()(torch.tensor([PROMPT])).logits[0].numpy()
     scale = np.abs(theirs).max()
     assert np.abs(plain - theirs).max() > 1e-2 * scale  # the quantization is visible...
     assert np.median(np.abs(ours - theirs)) < 1e-4 * scale  # ...and precast's is the same
@@ -281,6 +285,7 @@ def test_modelopt_fp8_export_builds_without_recalibration(tmp_path):
     arch, kwargs = TINY_CONFIGS["qwen2"]  # qkv bias, tied embeddings
     model = make_tiny_model(arch, kwargs)
     model.config.architectures = ["Qwen2ForCausalLM"]
+    copy.deepcopy(model.config).save_pretrained(tmp_path / "plain")  # the twin's config (saving edits it: a copy)
     calib = torch.tensor(CALIB)
     model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: [m(row[None]) for row in calib])
     export_hf_checkpoint(model, export_dir=tmp_path / "fp8")
@@ -309,7 +314,7 @@ def test_modelopt_fp8_export_builds_without_recalibration(tmp_path):
     # The runner computes what the recipe defines on those values.
     ours = make_cpu_runner(engine).evaluate(PROMPT, True)
     with torch.no_grad():
-        theirs = hf_twin(engine, arch, kwargs)(torch.tensor([PROMPT])).logits[0].numpy()
+        theirs = hf_twin(engine, tmp_path / "plain")(torch.tensor([PROMPT])).logits[0].numpy()
     scale = np.abs(theirs).max()
     assert np.median(np.abs(ours - theirs)) < 1e-4 * scale
     with pytest.raises(PrecastError, match="already quantized.*without --quant"):
