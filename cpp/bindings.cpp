@@ -7,6 +7,7 @@
 
 #include "check.h"
 #include "cpu_features.h"
+#include "cpu/memory_bandwidth.h"
 #include "cpu/quantize.h"
 #include "cpu_runner.h"
 #include "executor.h"
@@ -288,6 +289,9 @@ PYBIND11_MODULE(_C, m) {
         return out;
       });
 
+  m.def("memory_bandwidth", &memory_bandwidth, py::arg("kind"), py::arg("bytes_per_array") = int64_t(256) << 20,
+        py::arg("num_threads") = 1, py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
+        "Best bytes/s of a STREAM-like 'read', 'copy' or 'triad' pass (benchmarks: the decode speed limit).");
   m.def("round_to_e4m3", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
     std::vector<float> out(x.size());
     for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = round_to_e4m3(x.data()[i]);

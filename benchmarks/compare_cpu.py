@@ -1,0 +1,319 @@
+"""precast against llama.cpp and HF transformers on SmolLM2-135M-Instruct, same prompts and threads, one run.
+
+Engines:
+  precast       float32, bfloat16, and fp8 / nvfp4 / int4_awq with the LM head quantized too (as llama.cpp's
+                files are; the rest bfloat16)
+  transformers  float32, bfloat16 (the GGUF loaded by transformers)
+  llama.cpp     through llama-cpp-python: the package's GGUF as shipped (Q4_1), and Q8_0 / F16 made from it with
+                llama.cpp's own quantizer (llama_model_quantize)
+Measures (median of --repeats, spread min..max):
+  decode    batch-1 decode tokens/s (128 tokens after a short chat prompt)
+  prefill   tokens/s for a 512-token prompt (one request, first token included)
+  TTFT      ms to the first token of the short chat prompt
+  32-way    output tokens/s for 32 concurrent requests of 128 prompt / 128 output tokens; llama.cpp through its
+            low-level batch API with 32 sequences in one context (every step decodes one token of each)
+and this machine's memory bandwidth (STREAM-like read / copy / triad, all threads), with batch-1 decode as a
+fraction of its limit: weight bytes streamed per token / read bandwidth.
+
+llama-cpp-python builds from source (minutes): it lives in the `bench` extra, never installed by CI:
+    pip install -e ".[bench]"
+    python benchmarks/compare_cpu.py [--repeats 3] [--threads N] [--skip-hf] [--skip-llamacpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 512
+BATCH, BATCH_IN, BATCH_OUT = 32, 128, 128
+CHAT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+
+
+@dataclass
+class Result:
+    engine: str
+    family: str  # precast | transformers | llama.cpp
+    weight_bytes: int  # streamed per decode step (for the bandwidth limit)
+    decode: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    batch: list[float] = field(default_factory=list)
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def cell(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "-"
+    return f"{med(values):.{digits}f} ({min(values):.{digits}f}..{max(values):.{digits}f})"
+
+
+# ---------------------------------------------------------------------------------------- precast
+def bench_precast(name: str, engine: Path, threads: int, repeats: int, chat_ids: list[int]) -> Result:
+    from precast.runtime import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    long_prompt = rng.integers(100, 40000, PREFILL_TOKENS).tolist()
+    prompts = [rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)]
+    r = Result(name, "precast", (engine / "weights.safetensors").stat().st_size)
+    greedy = dict(temperature=0, ignore_eos=True)
+    with LLM(engine, num_threads=threads, prefix_reuse=False, kv_cache_memory=2 << 30) as llm:
+        llm.generate(chat_ids, SamplingParams(max_tokens=8))  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            first = None
+            for _out in llm.stream(chat_ids, SamplingParams(max_tokens=DECODE_TOKENS + 1, **greedy)):
+                if first is None:
+                    first = time.perf_counter()
+            r.decode.append(DECODE_TOKENS / (time.perf_counter() - first))
+            r.ttft_ms.append((first - t0) * 1e3)
+            t0 = time.perf_counter()
+            llm.generate(long_prompt, SamplingParams(max_tokens=1, **greedy))
+            r.prefill.append(PREFILL_TOKENS / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(max_tokens=BATCH_OUT, **greedy))
+            assert all(len(o.token_ids) == BATCH_OUT for o in outs)
+            r.batch.append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
+    return r
+
+
+# ----------------------------------------------------------------------------------- transformers
+def bench_hf(name: str, model, threads: int, repeats: int, chat_ids: list[int], weight_bytes: int) -> Result:
+    import torch
+
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    long_prompt = torch.tensor([rng.integers(100, 40000, PREFILL_TOKENS).tolist()])
+    prompts = torch.tensor([rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)])
+    ids = torch.tensor([chat_ids])
+    r = Result(name, "transformers", weight_bytes)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, **kw)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, **kw)
+            t1 = time.perf_counter()
+            model.generate(ids, max_new_tokens=DECODE_TOKENS + 1, **kw)
+            t2 = time.perf_counter()
+            r.ttft_ms.append((t1 - t0) * 1e3)
+            r.decode.append(DECODE_TOKENS / ((t2 - t1) - (t1 - t0)))
+            t0 = time.perf_counter()
+            model.generate(long_prompt, max_new_tokens=1, **kw)
+            r.prefill.append(PREFILL_TOKENS / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            model.generate(prompts, max_new_tokens=BATCH_OUT, attention_mask=torch.ones_like(prompts), **kw)
+            r.batch.append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
+    return r
+
+
+# -------------------------------------------------------------------------------------- llama.cpp
+class LlamaCpp:
+    """The low-level llama.cpp API: one context, up to BATCH sequences, greedy sampling in numpy."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        params = lc.llama_context_default_params()
+        params.n_ctx = BATCH * (BATCH_IN + BATCH_OUT + 8)
+        params.n_batch = params.n_ubatch = max(PREFILL_TOKENS, BATCH * BATCH_IN)
+        params.n_seq_max = BATCH
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(params.n_batch, 0, BATCH)
+
+    def clear(self) -> None:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+
+    def decode(self, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, position, sequence, wants logits); returns the greedy next token per logits row."""
+        b = self.batch
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = []
+        for i, item in enumerate(items):
+            if item[3]:
+                row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                out.append(int(row.argmax()))
+        return out
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+
+def bench_llamacpp(name: str, path: Path, threads: int, repeats: int, chat_ids: list[int]) -> Result:
+    rng = np.random.default_rng(0)
+    long_prompt = rng.integers(100, 40000, PREFILL_TOKENS).tolist()
+    prompts = [rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)]
+    r = Result(name, "llama.cpp", path.stat().st_size)
+    ll = LlamaCpp(path, threads)
+    try:
+        for rep in range(repeats + 1):  # the first round warms up
+            ll.clear()
+            t0 = time.perf_counter()
+            (tok,) = ll.decode([(t, p, 0, p == len(chat_ids) - 1) for p, t in enumerate(chat_ids)])
+            first = time.perf_counter()
+            for step in range(DECODE_TOKENS):
+                (tok,) = ll.decode([(tok, len(chat_ids) + step, 0, True)])
+            decode = DECODE_TOKENS / (time.perf_counter() - first)
+            ll.clear()
+            t1 = time.perf_counter()
+            ll.decode([(t, p, 0, p == PREFILL_TOKENS - 1) for p, t in enumerate(long_prompt)])
+            prefill = PREFILL_TOKENS / (time.perf_counter() - t1)
+            ll.clear()
+            t2 = time.perf_counter()
+            nxt = ll.decode([(t, p, s, p == BATCH_IN - 1) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt)])
+            for step in range(BATCH_OUT - 1):
+                nxt = ll.decode([(nxt[s], BATCH_IN + step, s, True) for s in range(BATCH)])
+            batch = BATCH * BATCH_OUT / (time.perf_counter() - t2)
+            if rep:
+                r.decode.append(decode)
+                r.ttft_ms.append((first - t0) * 1e3)
+                r.prefill.append(prefill)
+                r.batch.append(batch)
+    finally:
+        ll.close()
+    return r
+
+
+def llamacpp_files(shipped: Path, out: Path) -> dict[str, Path]:
+    """The shipped Q4_1 file, and Q8_0 and F16 made from it by llama.cpp's quantizer."""
+    import llama_cpp as lc
+
+    files = {"Q4_1 (shipped)": shipped}
+    for label, ftype in (("Q8_0", lc.LLAMA_FTYPE_MOSTLY_Q8_0), ("F16", lc.LLAMA_FTYPE_MOSTLY_F16)):
+        params = lc.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.allow_requantize = True
+        params.quantize_output_tensor = True
+        target = out / f"smollm2-{label.lower()}.gguf"
+        if lc.llama_model_quantize(str(shipped).encode(), str(target).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize to {label} failed")
+        files[f"{label} (requantized)"] = target
+    return files
+
+
+# ------------------------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--precast", nargs="*", default=["float32", "bfloat16", "fp8", "nvfp4", "int4_awq"])
+    args = parser.parse_args()
+
+    from precast import _C
+    from precast.builder.build import BuildOptions, build_engine
+    from precast.builder.engine import load_engine
+    from precast.packaged import packaged_model_path
+    from precast.quantization.recipe import QuantOptions
+    from precast.runtime.cpu_backend import default_num_threads
+    from precast.runtime.tokenizer import Tokenizer
+
+    threads = args.threads or default_num_threads()
+    bandwidth = {k: _C.memory_bandwidth(k, 256 << 20, threads, 5) for k in ("read", "copy", "triad")}
+    gguf = packaged_model_path("smollm2-135m-instruct")
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        chat_ids: list[int] = []
+        for variant in args.precast:
+            recipe = variant if variant in ("fp8", "nvfp4", "int4_awq") else "none"
+            dtype = variant if recipe == "none" else "bfloat16"
+            engine = tmp_path / variant
+            build_engine(BuildOptions(gguf, engine, dtype=dtype, max_seq_len=2048, progress=False,
+                                      quant=QuantOptions(recipe=recipe, quantize_lm_head=recipe != "none")))
+            if not chat_ids:
+                tok = Tokenizer(load_engine(engine))
+                chat_ids = tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+            label = variant if recipe == "none" else f"{variant} (head too)"
+            results.append(bench_precast(label, engine, threads, args.repeats, chat_ids))
+        if not chat_ids:  # no precast engine asked for: the tokenizer still comes from one
+            build_engine(BuildOptions(gguf, tmp_path / "tok", progress=False))
+            tok = Tokenizer(load_engine(tmp_path / "tok"))
+            chat_ids = tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+        if not args.skip_hf:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+            n = sum(p.numel() for p in model.parameters())  # tied: the embedding counted once
+            results.append(bench_hf("float32", model, threads, args.repeats, chat_ids, 4 * n))
+            results.append(bench_hf("bfloat16", model.to(torch.bfloat16), threads, args.repeats, chat_ids, 2 * n))
+        if not args.skip_llamacpp:
+            for label, path in llamacpp_files(gguf, tmp_path).items():
+                results.append(bench_llamacpp(label, path, threads, args.repeats, chat_ids))
+
+    print(f"\nSmolLM2-135M-Instruct, {threads} threads, median of {args.repeats} (min..max). Memory bandwidth "
+          f"(all threads): read {bandwidth['read'] / 1e9:.1f} GB/s, copy {bandwidth['copy'] / 1e9:.1f}, "
+          f"triad {bandwidth['triad'] / 1e9:.1f}\n")
+    print("| engine | family | weights MiB | batch-1 decode tok/s | of read-bandwidth limit | prefill tok/s (512) | TTFT ms | 32-way tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        limit = bandwidth["read"] / r.weight_bytes
+        print(f"| {r.engine} | {r.family} | {r.weight_bytes / 2**20:.0f} | {cell(r.decode)} | {med(r.decode) / limit:.0%} "
+              f"(limit {limit:.0f}) | {cell(r.prefill)} | {cell(r.ttft_ms)} | {cell(r.batch)} |")
+    print_targets(results, bandwidth["read"])
+
+
+def print_targets(results: list[Result], read_bandwidth: float) -> None:
+    def get(family: str, prefix: str) -> Result | None:
+        return next((r for r in results if r.family == family and r.engine.startswith(prefix)), None)
+
+    rows = []
+
+    def target(what: str, ours: Result | None, theirs: Result | None, key: str, want: float) -> None:
+        if ours is None or theirs is None:
+            return
+        ratio = med(getattr(ours, key)) / med(getattr(theirs, key))
+        rows.append((what, f"{ratio:.2f}x", f">= {want}x", "met" if ratio >= want else "NOT met"))
+
+    target("fp8 decode vs llama.cpp Q8_0", get("precast", "fp8"), get("llama.cpp", "Q8_0"), "decode", 1.2)
+    for four in ("nvfp4", "int4_awq"):
+        target(f"{four} decode vs llama.cpp Q4_1", get("precast", four), get("llama.cpp", "Q4_1"), "decode", 1.2)
+    hf_best = max((r for r in results if r.family == "transformers"), key=lambda r: med(r.decode), default=None)
+    best_precast_batch = max((r for r in results if r.family == "precast"), key=lambda r: med(r.batch), default=None)
+    target("32-way (best precast) vs HF best batch-1 decode", best_precast_batch, hf_best, "batch", 10.0)
+    if best_precast_batch and hf_best:  # the ratio above compares batch throughput with HF's decode rate
+        rows[-1] = (rows[-1][0], f"{med(best_precast_batch.batch) / med(hf_best.decode):.2f}x", ">= 10x",
+                    "met" if med(best_precast_batch.batch) >= 10 * med(hf_best.decode) else "NOT met")
+    ll_best = max((r for r in results if r.family == "llama.cpp"), key=lambda r: med(r.batch), default=None)
+    target("32-way (best precast) vs llama.cpp's best 32-way", best_precast_batch, ll_best, "batch", 1.0)
+    target("prefill float32 vs HF float32", get("precast", "float32"), get("transformers", "float32"), "prefill", 1.0)
+    for name in ("float32", "bfloat16", "fp8", "nvfp4", "int4_awq"):
+        r = get("precast", name)
+        if r is not None:
+            fraction = med(r.decode) * r.weight_bytes / read_bandwidth
+            want = 0.7 if name in ("float32", "bfloat16", "fp8") else None
+            rows.append((f"{name} decode, share of the read-bandwidth limit", f"{fraction:.0%}", f">= {want:.0%}" if want else "reported",
+                         ("met" if fraction >= want else "NOT met") if want else ""))
+    print("\n| target | measured | wanted | |\n| --- | --- | --- | --- |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
