@@ -23,7 +23,10 @@ llama-cpp-python builds from source (minutes): it lives in the `bench` extra, ne
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -88,7 +91,7 @@ def bench_precast(name: str, engine: Path, threads: int, repeats: int, chat_ids:
 
 
 # ----------------------------------------------------------------------------------- transformers
-def bench_hf(name: str, model, threads: int, repeats: int, chat_ids: list[int], weight_bytes: int) -> Result:
+def bench_hf(name: str, model, threads: int, repeats: int, chat_ids: list[int], weight_bytes: int, batch: bool = True) -> Result:
     import torch
 
     torch.set_num_threads(threads)
@@ -111,9 +114,10 @@ def bench_hf(name: str, model, threads: int, repeats: int, chat_ids: list[int], 
             t0 = time.perf_counter()
             model.generate(long_prompt, max_new_tokens=1, **kw)
             r.prefill.append(PREFILL_TOKENS / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            model.generate(prompts, max_new_tokens=BATCH_OUT, attention_mask=torch.ones_like(prompts), **kw)
-            r.batch.append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
+            if batch:  # one padded batch through `generate` (slow)
+                t0 = time.perf_counter()
+                model.generate(prompts, max_new_tokens=BATCH_OUT, attention_mask=torch.ones_like(prompts), **kw)
+                r.batch.append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
     return r
 
 
@@ -121,12 +125,14 @@ def bench_hf(name: str, model, threads: int, repeats: int, chat_ids: list[int], 
 class LlamaCpp:
     """The low-level llama.cpp API: one context, up to BATCH sequences, greedy sampling in numpy."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, use_extra_bufts: bool = True) -> None:
         import llama_cpp as lc
 
         self.lc = lc
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        mparams = lc.llama_model_default_params()
+        mparams.use_extra_bufts = use_extra_bufts  # AMX / repacked weight layouts
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         params = lc.llama_context_default_params()
         params.n_ctx = BATCH * (BATCH_IN + BATCH_OUT + 8)
         params.n_batch = params.n_ubatch = max(PREFILL_TOKENS, BATCH * BATCH_IN)
@@ -164,11 +170,31 @@ class LlamaCpp:
 
 
 def bench_llamacpp(name: str, path: Path, threads: int, repeats: int, chat_ids: list[int]) -> Result:
+    """In a child process (llama.cpp's AMX path crashes on some virtual machines): with its extra buffer
+    types (AMX, repacked layouts) first, without them if that run dies."""
+    for extra in (True, False):
+        cmd = [sys.executable, __file__, "--llamacpp-worker", json.dumps([name, str(path), threads, repeats, chat_ids, extra])]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode == 0:
+            r = Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+            if not extra:
+                r.engine += " (no AMX/repack: crashed with them)"
+            return r
+    raise RuntimeError(f"llama.cpp failed on {path}: {done.stderr[-2000:]}")
+
+
+def _llamacpp_worker(spec: str) -> None:
+    name, path, threads, repeats, chat_ids, extra = json.loads(spec)
+    r = _bench_llamacpp(name, Path(path), threads, repeats, chat_ids, extra)
+    print(json.dumps(r.__dict__))
+
+
+def _bench_llamacpp(name: str, path: Path, threads: int, repeats: int, chat_ids: list[int], extra: bool) -> Result:
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(100, 40000, PREFILL_TOKENS).tolist()
     prompts = [rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)]
     r = Result(name, "llama.cpp", path.stat().st_size)
-    ll = LlamaCpp(path, threads)
+    ll = LlamaCpp(path, threads, use_extra_bufts=extra)
     try:
         for rep in range(repeats + 1):  # the first round warms up
             ll.clear()
@@ -223,7 +249,10 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--precast", nargs="*", default=["float32", "bfloat16", "fp8", "nvfp4", "int4_awq"])
+    parser.add_argument("--llamacpp-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.llamacpp_worker:
+        return _llamacpp_worker(args.llamacpp_worker)
 
     from precast import _C
     from precast.builder.build import BuildOptions, build_engine

@@ -18,27 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-
-DECODE_TOKENS = 128
-PREFILL_TOKENS = 512
-BATCH, BATCH_IN, BATCH_OUT = 32, 128, 128
-
-
-def memory_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s of a large numpy copy (read + write counted), best of `repeats`: the rate at
-    which batch-1 decode can stream weights at most."""
-    src = np.ones(1 << 28, dtype=np.uint8)  # 256 MiB, far beyond the caches
-    dst = np.empty_like(src)
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0))
-    return best
+import compare_cpu  # the measuring loops, shared (benchmarks/ is on sys.path when a script here runs)
+from compare_cpu import BATCH, BATCH_IN, BATCH_OUT, PREFILL_TOKENS
 
 
 def median_spread(values: list[float]) -> tuple[float, str]:
@@ -46,62 +29,13 @@ def median_spread(values: list[float]) -> tuple[float, str]:
 
 
 def bench_precast(engine: Path, threads: int, repeats: int, prompt_ids: list[int]) -> dict[str, list[float]]:
-    from precast.runtime import LLM, SamplingParams
-
-    rng = np.random.default_rng(0)
-    long_prompt = rng.integers(100, 40000, PREFILL_TOKENS).tolist()
-    results: dict[str, list[float]] = {"decode": [], "prefill": [], "batch": []}
-    with LLM(engine, num_threads=threads, prefix_reuse=False, kv_cache_memory=2 << 30) as llm:
-        llm.generate(prompt_ids, SamplingParams(max_tokens=8))  # warm-up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            first = None
-            for out in llm.stream(prompt_ids, SamplingParams(temperature=0, max_tokens=DECODE_TOKENS + 1, ignore_eos=True)):
-                if first is None:
-                    first = time.perf_counter()
-            results["decode"].append(DECODE_TOKENS / (time.perf_counter() - first))
-
-            t0 = time.perf_counter()
-            llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=1))
-            results["prefill"].append(PREFILL_TOKENS / (time.perf_counter() - t0))
-
-            prompts = [rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)]
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=BATCH_OUT, ignore_eos=True))
-            assert all(len(o.token_ids) == BATCH_OUT for o in outs)
-            results["batch"].append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
-    return results
+    r = compare_cpu.bench_precast(engine.name, engine, threads, repeats, prompt_ids)
+    return {"decode": r.decode, "prefill": r.prefill, "batch": r.batch}
 
 
 def bench_hf(model, threads: int, repeats: int, prompt_ids: list[int], batch: bool) -> dict[str, list[float]]:
-    import torch
-
-    torch.set_num_threads(threads)
-    rng = np.random.default_rng(0)
-    long_prompt = torch.tensor([rng.integers(100, 40000, PREFILL_TOKENS).tolist()])
-    ids = torch.tensor([prompt_ids])
-    results: dict[str, list[float]] = {"decode": [], "prefill": [], "batch": []}
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=8, **kw)  # warm-up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, **kw)
-            t1 = time.perf_counter()
-            model.generate(ids, max_new_tokens=DECODE_TOKENS + 1, **kw)
-            t2 = time.perf_counter()
-            results["decode"].append(DECODE_TOKENS / ((t2 - t1) - (t1 - t0)))
-
-            t0 = time.perf_counter()
-            model(long_prompt)
-            results["prefill"].append(PREFILL_TOKENS / (time.perf_counter() - t0))
-
-            if batch:
-                prompts = torch.tensor([rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)])
-                t0 = time.perf_counter()
-                model.generate(prompts, max_new_tokens=BATCH_OUT, attention_mask=torch.ones_like(prompts), **kw)
-                results["batch"].append(BATCH * BATCH_OUT / (time.perf_counter() - t0))
-    return results
+    r = compare_cpu.bench_hf("hf", model, threads, repeats, prompt_ids, 0, batch)
+    return {"decode": r.decode, "prefill": r.prefill, "batch": r.batch}
 
 
 def main() -> None:
@@ -128,7 +62,9 @@ def main() -> None:
     from precast.runtime.tokenizer import Tokenizer
 
     threads = args.threads or default_num_threads()
-    bandwidth = memory_bandwidth()
+    from precast import _C
+
+    bandwidth = _C.memory_bandwidth("copy", 256 << 20, threads, 5)  # read + write counted, all threads
     gguf = packaged_model_path("smollm2-135m-instruct")
     hf_fp32 = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     variants = [(d, "none") for d in args.dtypes] + [(args.quant_dtype, q) for q in args.quant]

@@ -111,6 +111,25 @@ inline void load32_fp8(const void* base, int64_t i, __m512& lo, __m512& hi) {
   hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
+template <int NR>
+inline void zero(__m512 (&acc)[NR][4]) {
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+}
+
+// acc[r] += x[r][i] * (w0 | w1 | w2 | w3): one broadcast and four FMAs per input row.
+template <int NR>
+inline void accumulate(__m512 (&acc)[NR][4], const float* x, int64_t x_stride, int i, __m512 w0, __m512 w1, __m512 w2,
+                       __m512 w3) {
+  for (int r = 0; r < NR; ++r) {
+    const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
+    acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+    acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+    acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+  }
+}
+
 inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias, float out_scale, float* y, int64_t y_stride) {
   const __m512 s = _mm512_set1_ps(out_scale);
   for (int v = 0; v < 4; ++v) {
@@ -136,8 +155,7 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
                          float* y, int64_t y_stride) {
   const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
   __m512 acc[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  zero<NR>(acc);
   for (int i = 0; i < w.cols; ++i) {
     const int64_t off = int64_t(i) * kPanel;
     if constexpr (DT != WeightDtype::kF32) {  // float32 is consumed fast enough for the hardware prefetcher
@@ -152,13 +170,7 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
       w0 = load16<DT>(panel, off), w1 = load16<DT>(panel, off + 16);
       w2 = load16<DT>(panel, off + 32), w3 = load16<DT>(panel, off + 48);
     }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
-      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
-    }
+    accumulate<NR>(acc, x, x_stride, i, w0, w1, w2, w3);
   }
   store_outputs(acc, NR, valid, bias, w.out_scale, y, y_stride);
 }
@@ -173,8 +185,7 @@ inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatr
   const int groups = w.cols / w.group_size;
   const __m512 lut = _mm512_loadu_ps(DT == WeightDtype::kNVFP4 ? kE2m1Values : kInt4Values);
   __m512 acc[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  zero<NR>(acc);
   for (int g = 0; g < groups; ++g) {
     __m512 s[4];
     const int64_t s_off = (p * groups + g) * kPanel;
@@ -191,13 +202,7 @@ inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatr
       const __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(c1, lut), s[1]);
       const __m512 w2 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), lut), s[2]);
       const __m512 w3 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), lut), s[3]);
-      for (int r = 0; r < NR; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
-        acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-        acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-        acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
-      }
+      accumulate<NR>(acc, x, x_stride, i, w0, w1, w2, w3);
     }
   }
   store_outputs(acc, NR, valid, bias, w.out_scale, y, y_stride);
