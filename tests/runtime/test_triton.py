@@ -209,21 +209,25 @@ def test_cancelling_a_stream_frees_blocks(triton):
     pieces = grpc_stream(triton, jobs, cancel_after=5)
     assert len(pieces["long"]) >= 5
 
+    def generated() -> float:
+        return metric(triton, "precast_token_metrics", 'token_type="output"') - tokens_before
+
     def idle() -> bool:
         return (metric(triton, "precast_kv_cache_block_metrics", 'kv_cache_block_type="used"') == 0
                 and metric(triton, "precast_request_metrics", 'request_type="active"') == 0)
 
-    # Generous for a loaded machine; what proves the cancellation is the token count below (1500 tokens take ~20 s
-    # on an idle machine, more on a loaded one).
+    # The model publishes metrics every 0.2 s, and 5 tokens can come and go between two snapshots: wait until a
+    # snapshot has counted this request's tokens and shows nothing running. Generous for a loaded machine; what
+    # proves the cancellation is the token count below (1500 tokens take ~20 s on an idle machine).
     deadline = time.time() + 30
-    while time.time() < deadline and not idle():
+    while time.time() < deadline and not (generated() >= 5 and idle()):
         time.sleep(0.25)
-    assert idle()
-    generated = metric(triton, "precast_token_metrics", 'token_type="output"') - tokens_before
+    assert generated() >= 5 and idle()
+    generated_when_idle = generated()
     time.sleep(0.5)
     # The request really stopped: far fewer than 1500 tokens, and no more are coming.
-    assert 5 <= generated < 1000
-    assert metric(triton, "precast_token_metrics", 'token_type="output"') - tokens_before == generated
+    assert 5 <= generated_when_idle < 1000
+    assert generated() == generated_when_idle
 
 
 def test_stop_request_ends_a_stream(triton):
