@@ -138,7 +138,7 @@ def build_engine(opts: BuildOptions) -> BuildResult:
             for tensor, (_, target, _) in zip(plan, layout):
                 layer = tensor.name[: -len(".weight")]
                 if layer in quant.get("layers", {}):
-                    array = prequantized.fuse_fp8(checkpoint, tensor, quant["layers"][layer]).view(target)
+                    array = prequantized.fuse_fp8(checkpoint, tensor, quant["layers"][layer])
                 else:
                     array = _convert(_read_fused(checkpoint, tensor), target, tensor.name)
                 writer.write(tensor.name, array)

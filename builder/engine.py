@@ -28,7 +28,7 @@ from precast.builder.safetensors_file import DTYPES, SafetensorsFile
 from precast.builder.spec import ModelSpec
 from precast.builder.weights import engine_tensor_shapes
 from precast.errors import PrecastError
-from precast.quantization.recipe import check_quant_section, linear_shapes, quantized_tensor_layout
+from precast.quantization.recipe import check_quant_section, quantized_tensor_layout
 
 ENGINE_FORMAT = "precast-engine"
 ENGINE_VERSION = 1
@@ -102,24 +102,15 @@ class EngineConfig:
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Canonical name -> (shape, safetensors dtype) that weights.safetensors must hold."""
         matrix = ENGINE_DTYPES[self.dtype]
-        expected = {n: (s, "F32" if len(s) == 1 else matrix) for n, s in engine_tensor_shapes(self.model).items()}
-        shapes = linear_shapes(self.model)
-        for layer, entry in self.quant.get("layers", {}).items():
-            rows, cols = shapes[layer]
-            # Insert the scales right after their weight so the file keeps build order.
-            expected = _replace(expected, f"{layer}.weight", quantized_tensor_layout(entry, rows, cols, layer))
+        layers = self.quant.get("layers", {})
+        expected: dict[str, tuple[tuple[int, ...], str]] = {}
+        for name, shape in engine_tensor_shapes(self.model).items():
+            layer = name.removesuffix(".weight")
+            if layer in layers:  # the quantized weight, then its scales: the file keeps build order
+                expected.update(quantized_tensor_layout(layers[layer], shape[0], shape[1], layer))
+            else:
+                expected[name] = (shape, "F32" if len(shape) == 1 else matrix)
         return expected
-
-
-
-def _replace(d: dict[str, Any], key: str, items: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if k == key:
-            out.update(items)
-        else:
-            out[k] = v
-    return out
 
 
 @dataclass

@@ -253,13 +253,12 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
   // Final norm and LM head only for the last token of each sampling sequence (every
   // token of them with all_logits; every token's norm when calibrating).
   std::vector<float> rows;
-  int S = 0;
   for (const BatchSequence& s : batch.sequences) {
     if (!s.sample && !calibrating_) continue;
     const int first = all_logits || calibrating_ ? s.token_offset : s.token_offset + s.num_tokens - 1;
     rows.insert(rows.end(), x_.data() + size_t(first) * H, x_.data() + size_t(s.token_offset + s.num_tokens) * H);
   }
-  S = int(rows.size()) / H;
+  const int S = int(rows.size()) / H;
   std::vector<float> normed(rows.size());
   rms_norm(rows.data(), final_norm_, S, H, c.norm_eps, normed.data());
   if (calibrating_) {

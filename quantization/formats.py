@@ -29,6 +29,12 @@ NVFP4_BLOCK = 16
 INT4_MAX = 7
 
 
+def per_tensor_scale(amax: float, maximum: float) -> float:
+    """amax / maximum: the scale that maps a tensor's largest magnitude onto the format's largest value
+    (1 for an all-zero tensor, whose values any scale represents)."""
+    return float(amax) / maximum if amax > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class Fp8Tensor:
     values: np.ndarray  # float8_e4m3fn [out, in]
@@ -41,8 +47,7 @@ class Fp8Tensor:
 def quantize_fp8(w: np.ndarray, amax: float | None = None) -> Fp8Tensor:
     """Per-tensor E4M3 with scale amax / 448 (amax of `w` unless given, e.g. from calibration)."""
     w = np.asarray(w, dtype=np.float32)
-    amax = float(np.abs(w).max()) if amax is None else float(amax)
-    scale = amax / FP8_MAX if amax > 0 else 1.0
+    scale = per_tensor_scale(float(np.abs(w).max()) if amax is None else amax, FP8_MAX)
     # Clip first: values a rounding step above 448 would otherwise become NaN in E4M3 (it has no inf).
     q = np.clip(w / np.float32(scale), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     return Fp8Tensor(q, scale)
@@ -79,8 +84,7 @@ def quantize_nvfp4(w: np.ndarray, amax: float | None = None) -> Nvfp4Tensor:
     rows, cols = w.shape
     if cols % NVFP4_BLOCK:
         raise ValueError(f"nvfp4 needs the input dimension to be a multiple of {NVFP4_BLOCK}, got {cols}")
-    amax = float(np.abs(w).max()) if amax is None else float(amax)
-    global_scale = amax / (FP4_MAX * FP8_MAX) if amax > 0 else 1.0
+    global_scale = per_tensor_scale(float(np.abs(w).max()) if amax is None else amax, FP4_MAX * FP8_MAX)
     blocks = w.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = np.abs(blocks).max(axis=2)
     block_scales = np.clip(block_amax / np.float32(FP4_MAX * global_scale), 0, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)

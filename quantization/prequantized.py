@@ -39,8 +39,8 @@ def quantized_layers(checkpoint: Checkpoint, plan: list[PlannedTensor]) -> dict[
     return layers
 
 
-def _scalar(checkpoint: Checkpoint, name: str, of: str) -> float:
-    if name not in set(checkpoint.tensor_names()):
+def _scalar(checkpoint: Checkpoint, names: set[str], name: str, of: str) -> float:
+    if name not in names:
         raise PrecastError(f"{of} is FP8 in the checkpoint but {name} is missing; the export is incomplete")
     value = float(np.asarray(checkpoint.read(name), dtype=np.float64).reshape(-1)[0])
     if not np.isfinite(value) or value <= 0:
@@ -50,9 +50,10 @@ def _scalar(checkpoint: Checkpoint, name: str, of: str) -> float:
 
 def fuse_fp8(checkpoint: Checkpoint, tensor: PlannedTensor, entry: dict[str, Any]) -> np.ndarray:
     """The fused E4M3 matrix of one planned tensor; fills `entry` with its weight and input scales."""
+    names = set(checkpoint.tensor_names())
     prefixes = [s[: -len(".weight")] for s in tensor.sources]
-    weight_scales = [_scalar(checkpoint, f"{p}.weight_scale", s) for p, s in zip(prefixes, tensor.sources)]
-    input_scales = [_scalar(checkpoint, f"{p}.input_scale", s) for p, s in zip(prefixes, tensor.sources)]
+    weight_scales = [_scalar(checkpoint, names, f"{p}.weight_scale", s) for p, s in zip(prefixes, tensor.sources)]
+    input_scales = [_scalar(checkpoint, names, f"{p}.input_scale", s) for p, s in zip(prefixes, tensor.sources)]
     parts = [checkpoint.read(s).astype(np.float32) * np.float32(ws) for s, ws in zip(tensor.sources, weight_scales)]
     scale = max(weight_scales)
     q = quantize_fp8(np.concatenate(parts, axis=0), amax=scale * FP8_MAX)

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
@@ -21,7 +20,7 @@ from precast.builder.safetensors_file import DTYPES, SafetensorsWriter
 from precast.errors import PrecastError
 from precast.quantization import awq
 from precast.quantization.calibration import CalibrationResult
-from precast.quantization.formats import FP4_MAX, FP8_MAX, quantize_fp8, quantize_int4, quantize_nvfp4
+from precast.quantization.formats import FP4_MAX, FP8_MAX, per_tensor_scale, quantize_fp8, quantize_int4, quantize_nvfp4
 from precast.quantization.recipe import LayerPlan, QuantOptions
 
 
@@ -84,24 +83,23 @@ def fold_awq(name: str, array: np.ndarray, scales: dict[str, awq.AwqScale], q_si
     return out
 
 
-def _input_amax(calib: CalibrationResult | None, name: str) -> float:
+def _calibrated_scale(calib: CalibrationResult | None, name: str, maximum: float) -> float:
+    """Per-tensor scale of an activation (or K / V) from its calibrated amax."""
     stats = calib.stats.get(name) if calib else None
     if stats is None:
         raise PrecastError(f"calibration recorded no inputs for {name}")
-    return stats.tensor_amax
+    return per_tensor_scale(stats.tensor_amax, maximum)
 
 
 def quantize_layer(name: str, plan: LayerPlan, weight: np.ndarray, calib: CalibrationResult | None, entry: dict[str, Any]) -> dict[str, np.ndarray]:
     """Quantize one layer's weight; fills `entry` (the config) with its per-tensor scales."""
     if plan.format == "fp8":
         q = quantize_fp8(weight)
-        amax = _input_amax(calib, name)
-        entry.update(weight_scale=q.scale, input_scale=amax / FP8_MAX if amax > 0 else 1.0)
+        entry.update(weight_scale=q.scale, input_scale=_calibrated_scale(calib, name, FP8_MAX))
         return {f"{name}.weight": q.values}
     if plan.format == "nvfp4":
         q4 = quantize_nvfp4(weight)
-        amax = _input_amax(calib, name)
-        entry.update(weight_global_scale=q4.global_scale, input_global_scale=amax / (FP4_MAX * FP8_MAX) if amax > 0 else 1.0)
+        entry.update(weight_global_scale=q4.global_scale, input_global_scale=_calibrated_scale(calib, name, FP4_MAX * FP8_MAX))
         return {f"{name}.weight": q4.packed, f"{name}.weight_scale": q4.block_scales}
     qi = quantize_int4(weight, plan.group_size)
     return {f"{name}.weight": qi.packed, f"{name}.weight_scale": qi.scales}
@@ -125,7 +123,7 @@ def write_quantized_weights(
     pending: dict[str, np.ndarray] = {}  # scales produced with their weight, written right after it
     with open(out_dir / WEIGHTS_FILE, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="precast quantize", disable=not progress) as bar:
         writer = SafetensorsWriter(f, layout, metadata={"format": "precast"})
-        for name, dtype, _ in layout:
+        for name, _, _ in layout:
             if name in pending:
                 array = pending.pop(name)
             else:
@@ -142,8 +140,6 @@ def write_quantized_weights(
                     array = source.astype(np.float32 if source.ndim == 1 else matrix_dtype)
                     if not np.isfinite(array).all():
                         raise PrecastError(f"{name} has values beyond {engine.config.dtype}'s range after AWQ scaling; build with --dtype float32")
-            if array.dtype == np.dtype(ml_dtypes.float8_e4m3fn) and dtype != array.dtype:
-                array = array.view(dtype)
             writer.write(name, array)
             bar.update(array.nbytes)
         writer.finish()
@@ -151,11 +147,7 @@ def write_quantized_weights(
 
 
 def kv_cache_scales(calib: CalibrationResult, num_layers: int) -> dict[str, list[float]]:
-    def scale(key: str) -> float:
-        amax = _input_amax(calib, key)
-        return amax / FP8_MAX if amax > 0 else 1.0
-
     return {
-        "k_scales": [scale(f"layers.{i}.attn.k") for i in range(num_layers)],
-        "v_scales": [scale(f"layers.{i}.attn.v") for i in range(num_layers)],
+        "k_scales": [_calibrated_scale(calib, f"layers.{i}.attn.k", FP8_MAX) for i in range(num_layers)],
+        "v_scales": [_calibrated_scale(calib, f"layers.{i}.attn.v", FP8_MAX) for i in range(num_layers)],
     }

@@ -1,5 +1,7 @@
 #include "kernels.h"
 
+#include "quantize.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -44,15 +46,12 @@ inline float f16_to_float(uint16_t h) {
   return f;
 }
 
-// E4M3 byte -> float16 bits of value / 256 (exact for every finite E4M3 value).
-inline uint16_t e4m3_half_bits(uint8_t b) { return uint16_t(((b & 0x7f) << 7) | ((b & 0x80) << 8)); }
-
 template <WeightDtype DT>
 inline float load_scalar(const void* base, int64_t i) {
   if constexpr (DT == WeightDtype::kF32) return static_cast<const float*>(base)[i];
   if constexpr (DT == WeightDtype::kBF16) return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
   if constexpr (DT == WeightDtype::kF16) return f16_to_float(static_cast<const uint16_t*>(base)[i]);
-  return f16_to_float(e4m3_half_bits(static_cast<const uint8_t*>(base)[i]));  // kFP8, / 256
+  return e4m3_div256(static_cast<const uint8_t*>(base)[i]);  // kFP8 (quantize.h)
 }
 
 // 4-bit codes -> values. nvfp4: E2M1 (sign, 2 exponent bits, 1 mantissa bit); int4: two's complement.
@@ -91,11 +90,7 @@ inline __m512 load16(const void* base, int64_t i) {
   if constexpr (DT == WeightDtype::kF32) {
     return _mm512_loadu_ps(static_cast<const float*>(base) + i);
   } else if constexpr (DT == WeightDtype::kFP8) {
-    // Sign-extend each byte to 16 bits, shift the magnitude into float16 position, and
-    // clear bit 14 (the sign's copy): ((b & 0x7f) << 7) | (sign << 15).
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + i));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(short(0xBFFF)));
-    return _mm512_cvtph_ps(h);
+    return e4m3x16_div256(static_cast<const uint8_t*>(base) + i);
   } else {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
     if constexpr (DT == WeightDtype::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -103,7 +98,7 @@ inline __m512 load16(const void* base, int64_t i) {
   }
 }
 
-// 32 E4M3 bytes at once (the same conversion as load16, in 512-bit steps: fewer instructions).
+// 32 E4M3 bytes at once (e4m3x16_div256's conversion in 512-bit steps: fewer instructions).
 inline void load32_fp8(const void* base, int64_t i, __m512& lo, __m512& hi) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(base) + i));
   const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(short(0xBFFF)));
@@ -244,11 +239,16 @@ void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const fl
       }
     }
 #else
+    const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
     for (int r = 0; r < num_rows; ++r) {
       float acc[kPanel] = {0};
       for (int i = 0; i < cols; ++i) {
         const float xi = x[int64_t(r) * cols + i];
-        for (int j = 0; j < kPanel; ++j) acc[j] += xi * packed_at(w, p, i, j);
+        if constexpr (DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4) {
+          for (int j = 0; j < kPanel; ++j) acc[j] += xi * packed_at(w, p, i, j);
+        } else {  // one inlined load per element: the compiler vectorizes this loop (AVX2 machines)
+          for (int j = 0; j < kPanel; ++j) acc[j] += xi * load_scalar<DT>(panel, int64_t(i) * kPanel + j);
+        }
       }
       for (int j = 0; j < valid; ++j) y[int64_t(r) * w.rows + p * kPanel + j] = acc[j] * w.out_scale + (b ? b[j] : 0.0f);
     }

@@ -33,17 +33,7 @@ inline void axpy(float a, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// E4M3 bytes widen exactly through float16 bits ((b & 0x7f) << 7 | sign << 15), which
-// gives value / 256; callers fold the 256 into their scale.
-inline float e4m3_div256(uint8_t b) { return e4m3_to_float(b) * (1.0f / 256.0f); }
-
-#if defined(__AVX512F__)
-inline __m512 e4m3x16_div256(const uint8_t* p) {
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(short(0xBFFF))));
-}
-#endif
-
+// The E4M3 cache read as value / 256 (quantize.h); attention folds the 256 into its scales.
 inline float dot(const float* a, const uint8_t* b, int n) {
 #if defined(__AVX512F__)
   if (n % 16 == 0) {

@@ -49,12 +49,6 @@ uint8_t e4m3_bits(float v) {
   return sign | uint8_t((e + 7) << 3) | uint8_t(mantissa);
 }
 
-float e4m3_to_float(uint8_t bits) {
-  const int e = (bits >> 3) & 0xf, m = bits & 7;
-  const float a = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
-  return bits & 0x80 ? -a : a;
-}
-
 void fake_quant_fp8(const float* x, int64_t n, float scale, float* out) {
   int64_t i = 0;
 #if defined(__AVX512F__)

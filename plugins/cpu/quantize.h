@@ -8,6 +8,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace precast {
 
@@ -21,7 +26,33 @@ float round_to_e2m1(float x);
 
 // E4M3 encoding of a value that is already exactly representable (from round_to_e4m3).
 uint8_t e4m3_bits(float representable);
-float e4m3_to_float(uint8_t bits);
+
+// The value of an E4M3 byte (every finite code; 0x7f / 0xff, NaN, are never stored).
+inline float e4m3_to_float(uint8_t bits) {
+  const uint32_t e = (bits >> 3) & 0xf, m = bits & 7;
+  float a;
+  if (e == 0) {
+    a = float(m) * (1.0f / 512.0f);  // subnormal: m x 2^-9
+  } else {
+    const uint32_t f = ((e + 120) << 23) | (m << 20);  // rebias 7 -> 127, 3 mantissa bits on top
+    std::memcpy(&a, &f, 4);
+  }
+  return bits & 0x80 ? -a : a;
+}
+
+// How the kernels widen E4M3: to value / 256, which is what the float16 bits
+// ((b & 0x7f) << 7) | (sign << 15) hold (exact for every finite code). Callers fold the
+// 256 into a scale.
+inline float e4m3_div256(uint8_t bits) { return e4m3_to_float(bits) * (1.0f / 256.0f); }
+
+#if defined(__AVX512F__)
+// 16 E4M3 bytes -> 16 floats of value / 256: sign-extend each byte to 16 bits, shift the
+// magnitude into float16 position, clear bit 14 (the sign's copy), widen.
+inline __m512 e4m3x16_div256(const uint8_t* p) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(short(0xBFFF))));
+}
+#endif
 
 // out = e4m3(clip(x / scale)) * scale, element-wise (fp8 static activation quantization).
 void fake_quant_fp8(const float* x, int64_t n, float scale, float* out);
