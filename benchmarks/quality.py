@@ -5,7 +5,10 @@ Builds the float32 engine and one engine per recipe (full default calibration: p
 perplexity, its ratio to float32, mean per-token KL(float32 || recipe), top-1 agreement; plus
 engine size and the calibration's time and peak memory (as the build recorded them).
 
-    python benchmarks/quality.py [--recipes fp8 nvfp4 int4_awq] [--kv-fp8] [--windows N]
+    python benchmarks/quality.py [--recipes fp8 nvfp4 int4_awq] [--kv-fp8] [--weights-only] [--windows N]
+
+--weights-only adds, for fp8 and nvfp4, the same engine run with activation quantization switched off: what the
+weights alone cost (a diagnostic; the recipes always quantize activations).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["fp8", "nvfp4", "int4_awq"])
     parser.add_argument("--kv-fp8", action="store_true", help="also each recipe with an fp8 KV cache, and fp32 weights with one")
+    parser.add_argument("--weights-only", action="store_true", help="also fp8 / nvfp4 with activation quantization off")
     parser.add_argument("--windows", type=int, default=None, help="held-out windows (default: all)")
     args = parser.parse_args()
 
@@ -67,6 +71,10 @@ def main() -> None:
             rows.append((recipe, kv, f"{ours.perplexity:.3f}", f"{ours.perplexity / ref.perplexity:.4f}", f"{ours.mean_kl:.4f}",
                          f"{ours.top1_agreement:.3f}", f"{size / 2**20:.1f}", f"{built['seconds']:.1f}",
                          f"{built['calibration'].get('seconds', 0):.1f}", f"{built['peak_rss_mb']}"))
+            if args.weights_only and recipe in ("fp8", "nvfp4") and kv == "auto":
+                w, _ = compare(out, reference, windows, quantize_activations=False)
+                rows.append((f"{recipe} weights only (diagnostic)", kv, f"{w.perplexity:.3f}", f"{w.perplexity / ref.perplexity:.4f}",
+                             f"{w.mean_kl:.4f}", f"{w.top1_agreement:.3f}", "", "", "", ""))
         print(f"\nSmolLM2-135M-Instruct, held-out text {windows and len(windows)} x 512 tokens "
               f"({sum(len(w) - 1 for w in windows)} predictions); float32 perplexity {ref.perplexity:.3f}, "
               f"{ref_size / 2**20:.1f} MiB\n")

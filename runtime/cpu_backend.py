@@ -23,7 +23,9 @@ def default_num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def make_cpu_runner(engine: Engine, num_threads: int | None = None) -> _C.CpuRunner:
+def make_cpu_runner(engine: Engine, num_threads: int | None = None, quantize_activations: bool = True) -> _C.CpuRunner:
+    """The engine on the CPU runner. quantize_activations=False runs fp8 / nvfp4 layers weight-only: a
+    diagnostic (benchmarks/quality.py --weights-only) that is not the recipe; serving never sets it."""
     spec = engine.config.model
     inv_freq, attention_factor = rope_parameters(spec)
     c = _C.CpuModelConfig()
@@ -56,7 +58,7 @@ def make_cpu_runner(engine: Engine, num_threads: int | None = None) -> _C.CpuRun
             continue  # read with its weight
         layer = name[: -len(".weight")]
         if layer in layers:
-            _set_quantized(runner, engine, layer, layers[layer], shapes[layer])
+            _set_quantized(runner, engine, layer, layers[layer], shapes[layer], quantize_activations)
             continue
         array = engine.weights.read(name)
         # bfloat16/float16 travel as their raw 16-bit patterns; the kernels widen them.
@@ -66,18 +68,20 @@ def make_cpu_runner(engine: Engine, num_threads: int | None = None) -> _C.CpuRun
     return runner
 
 
-def _set_quantized(runner: _C.CpuRunner, engine: Engine, layer: str, entry: dict, shape: tuple[int, int]) -> None:
+def _set_quantized(runner: _C.CpuRunner, engine: Engine, layer: str, entry: dict, shape: tuple[int, int],
+                   quantize_activations: bool) -> None:
     rows, cols = shape
     values = np.ascontiguousarray(engine.weights.read(f"{layer}.weight").view(np.uint8))
     fmt = entry["format"]
     if fmt == "fp8":
         runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.FP8, rows, cols, values, None, 0, entry["weight_scale"],
-                                    _C.ActQuant.FP8_STATIC, entry["input_scale"])
+                                    _C.ActQuant.FP8_STATIC if quantize_activations else _C.ActQuant.NONE, entry["input_scale"])
         return
     scales = np.ascontiguousarray(engine.weights.read(f"{layer}.weight_scale"))
     if fmt == "nvfp4":
         runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.NVFP4, rows, cols, values, scales.view(np.uint8), NVFP4_BLOCK,
-                                    entry["weight_global_scale"], _C.ActQuant.NVFP4_DYNAMIC, entry["input_global_scale"])
+                                    entry["weight_global_scale"], _C.ActQuant.NVFP4_DYNAMIC if quantize_activations else _C.ActQuant.NONE,
+                                    entry["input_global_scale"])
     else:  # int4: weight-only (W4A16)
         runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.INT4, rows, cols, values, scales, int(entry["group_size"]), 1.0,
                                     _C.ActQuant.NONE, 1.0)
