@@ -125,6 +125,8 @@ inline void accumulate(__m512 (&acc)[NR][4], const float* x, int64_t x_stride, i
   }
 }
 
+inline __mmask16 lanes(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
+
 inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias, float out_scale, float* y, int64_t y_stride) {
   const __m512 s = _mm512_set1_ps(out_scale);
   for (int v = 0; v < 4; ++v) {
@@ -145,13 +147,22 @@ constexpr int kPrefetchBytes = 4096;
 
 // NR input rows x one 64-output panel: 4 x NR accumulators, one broadcast FMA per input
 // element and output vector.
+//
+// Inputs [i_begin, i_end) only: a prefill walks the panel in blocks of inputs that stay in L1
+// across row groups. The partial sums wait in y between blocks (a float32 store and load,
+// exact), so every output is still one FMA chain in input order.
 template <WeightDtype DT, int NR>
 inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w, int64_t p, int valid, const float* bias,
-                         float* y, int64_t y_stride) {
+                         float* y, int64_t y_stride, int i_begin, int i_end) {
   const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
   __m512 acc[NR][4];
-  zero<NR>(acc);
-  for (int i = 0; i < w.cols; ++i) {
+  if (i_begin == 0) {
+    zero<NR>(acc);
+  } else {
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_maskz_loadu_ps(lanes(valid - v * 16), y + r * y_stride + v * 16);
+  }
+  for (int i = i_begin; i < i_end; ++i) {
     const int64_t off = int64_t(i) * kPanel;
     if constexpr (DT != WeightDtype::kF32) {  // float32 is consumed fast enough for the hardware prefetcher
       const char* ahead = reinterpret_cast<const char*>(panel) + off * sizeof(Element<DT>) + kPrefetchBytes;
@@ -166,6 +177,11 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
       w2 = load16<DT>(panel, off + 32), w3 = load16<DT>(panel, off + 48);
     }
     accumulate<NR>(acc, x, x_stride, i, w0, w1, w2, w3);
+  }
+  if (i_end < w.cols) {  // partial sums of the valid outputs (padding rows of the panel are zero)
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, lanes(valid - v * 16), acc[r][v]);
+    return;
   }
   store_outputs(acc, NR, valid, bias, w.out_scale, y, y_stride);
 }
@@ -208,9 +224,10 @@ template <WeightDtype DT>
 struct Kernel {
 #ifdef PRECAST_AVX512
   template <int NR>
-  static void run(const float* x, int64_t xs, const PackedMatrix& w, int64_t p, int valid, const float* b, float* y, int64_t ys) {
+  static void run(const float* x, int64_t xs, const PackedMatrix& w, int64_t p, int valid, const float* b, float* y, int64_t ys,
+                  int i0, int i1) {
     if constexpr (DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4) panel_kernel_4bit<DT, NR>(x, xs, w, p, valid, b, y, ys);
-    else panel_kernel<DT, NR>(x, xs, w, p, valid, b, y, ys);
+    else panel_kernel<DT, NR>(x, xs, w, p, valid, b, y, ys, i0, i1);
   }
 #endif
 };
@@ -225,17 +242,25 @@ void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const fl
     const float* b = bias ? bias + p * kPanel : nullptr;
 #ifdef PRECAST_AVX512
     // 4 x R accumulators + 4 weight vectors (+ 4 scales and the table for 4-bit) fit the 32 registers.
-    constexpr int R = (DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4) ? 4 : 6;
-    for (int r = 0; r < num_rows; r += R) {
-      const float* xr = x + int64_t(r) * cols;
-      float* yr = y + int64_t(r) * w.rows + p * kPanel;
-      switch (std::min(R, num_rows - r)) {
-        case 6: Kernel<DT>::template run<(R >= 6 ? 6 : 1)>(xr, cols, w, p, valid, b, yr, w.rows); break;
-        case 5: Kernel<DT>::template run<(R >= 5 ? 5 : 1)>(xr, cols, w, p, valid, b, yr, w.rows); break;
-        case 4: Kernel<DT>::template run<4>(xr, cols, w, p, valid, b, yr, w.rows); break;
-        case 3: Kernel<DT>::template run<3>(xr, cols, w, p, valid, b, yr, w.rows); break;
-        case 2: Kernel<DT>::template run<2>(xr, cols, w, p, valid, b, yr, w.rows); break;
-        default: Kernel<DT>::template run<1>(xr, cols, w, p, valid, b, yr, w.rows); break;
+    constexpr bool k4bit = DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4;
+    constexpr int R = k4bit ? 4 : 6;
+    // Many rows (a prefill): inputs in blocks whose slice of the panel (kInputBlock x 64
+    // weights) stays in L1 while every row group passes over it; few rows: one pass.
+    constexpr int kInputBlock = 128;
+    const int block = !k4bit && num_rows > 2 * R ? kInputBlock : cols;
+    for (int i0 = 0; i0 < cols; i0 += block) {
+      const int i1 = std::min(cols, i0 + block);
+      for (int r = 0; r < num_rows; r += R) {
+        const float* xr = x + int64_t(r) * cols;
+        float* yr = y + int64_t(r) * w.rows + p * kPanel;
+        switch (std::min(R, num_rows - r)) {
+          case 6: Kernel<DT>::template run<(R >= 6 ? 6 : 1)>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
+          case 5: Kernel<DT>::template run<(R >= 5 ? 5 : 1)>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
+          case 4: Kernel<DT>::template run<4>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
+          case 3: Kernel<DT>::template run<3>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
+          case 2: Kernel<DT>::template run<2>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
+          default: Kernel<DT>::template run<1>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
+        }
       }
     }
 #else
@@ -309,14 +334,28 @@ PackedMatrix PackedMatrix::pack(const WeightView& w) {
 
 void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y) {
   const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
-  pool.parallel_for(panels, [&](int64_t p0, int64_t p1) {
-    switch (w.dtype) {
-      case WeightDtype::kF32: linear_panels<WeightDtype::kF32>(x, num_rows, w, bias, y, p0, p1); break;
-      case WeightDtype::kBF16: linear_panels<WeightDtype::kBF16>(x, num_rows, w, bias, y, p0, p1); break;
-      case WeightDtype::kF16: linear_panels<WeightDtype::kF16>(x, num_rows, w, bias, y, p0, p1); break;
-      case WeightDtype::kFP8: linear_panels<WeightDtype::kFP8>(x, num_rows, w, bias, y, p0, p1); break;
-      case WeightDtype::kNVFP4: linear_panels<WeightDtype::kNVFP4>(x, num_rows, w, bias, y, p0, p1); break;
-      case WeightDtype::kINT4: linear_panels<WeightDtype::kINT4>(x, num_rows, w, bias, y, p0, p1); break;
+  // Work items are (row chunk, panel) pairs. A decode step has one row chunk; a prefill of
+  // hundreds of rows also splits its rows, so that a layer with few panels (576 outputs are
+  // 9 panels) still divides evenly among the threads. Rows are computed the same way
+  // whichever item holds them.
+  constexpr int kRowChunk = 96;  // a multiple of both register-tile heights (6 and 4 rows)
+  const int64_t row_chunks = num_rows >= 2 * kRowChunk ? (num_rows + kRowChunk - 1) / kRowChunk : 1;
+  const int64_t chunk_rows = row_chunks == 1 ? num_rows : kRowChunk;
+  pool.parallel_for(panels * row_chunks, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      // Panel-major: a thread finishes one panel's row chunks while the panel is still in its cache.
+      const int64_t p = item / row_chunks, r0 = (item % row_chunks) * chunk_rows;
+      const int n = int(std::min<int64_t>(chunk_rows, num_rows - r0));
+      const float* xr = x + r0 * w.cols;
+      float* yr = y + r0 * w.rows;
+      switch (w.dtype) {
+        case WeightDtype::kF32: linear_panels<WeightDtype::kF32>(xr, n, w, bias, yr, p, p + 1); break;
+        case WeightDtype::kBF16: linear_panels<WeightDtype::kBF16>(xr, n, w, bias, yr, p, p + 1); break;
+        case WeightDtype::kF16: linear_panels<WeightDtype::kF16>(xr, n, w, bias, yr, p, p + 1); break;
+        case WeightDtype::kFP8: linear_panels<WeightDtype::kFP8>(xr, n, w, bias, yr, p, p + 1); break;
+        case WeightDtype::kNVFP4: linear_panels<WeightDtype::kNVFP4>(xr, n, w, bias, yr, p, p + 1); break;
+        case WeightDtype::kINT4: linear_panels<WeightDtype::kINT4>(xr, n, w, bias, yr, p, p + 1); break;
+      }
     }
   });
 }

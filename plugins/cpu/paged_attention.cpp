@@ -7,56 +7,15 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#define PRECAST_ATTN_AVX512 1
 #endif
 
 namespace precast {
 namespace {
 
-inline float dot(const float* a, const float* b, int n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float acc[8] = {0};
-  for (int i = 0; i < n; ++i) acc[i % 8] += a[i] * b[i];
-  float s = 0;
-  for (float x : acc) s += x;
-  return s;
-}
-
-inline void axpy(float a, const float* x, float* y, int n) {
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// The E4M3 cache read as value / 256 (quantize.h); attention folds the 256 into its scales.
-inline float dot(const float* a, const uint8_t* b, int n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), e4m3x16_div256(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float s = 0;
-  for (int i = 0; i < n; ++i) s += a[i] * e4m3_div256(b[i]);
-  return s;
-}
-
-inline void axpy(float a, const uint8_t* x, float* y, int n) {
-  int i = 0;
-#if defined(__AVX512F__)
-  const __m512 av = _mm512_set1_ps(a);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, e4m3x16_div256(x + i), _mm512_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += a * e4m3_div256(x[i]);
-}
-
-#if defined(__AVX512F__)
+#ifdef PRECAST_ATTN_AVX512
 // exp for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by
 // Cephes' degree-7 polynomial, then scaled by 2^n. About 1 ulp; a glibc call per score
 // cost more than the rest of attention together.
@@ -76,114 +35,254 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
-// scores[i] = exp(scores[i] - mx); returns their sum.
-inline float exp_shifted(float* scores, int n, float mx) {
-  int i = 0;
-  float sum = 0.0f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 m = _mm512_set1_ps(mx);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), m));
-    _mm512_storeu_ps(scores + i, e);
-    acc = _mm512_add_ps(acc, e);
+
+constexpr int kLanes = 16;
+constexpr int kQkRows = 12;  // query rows per QK pass: 12 rows x 2 key vectors = 24 accumulators
+constexpr int kPvRows = 6;   // query rows per PV pass: 6 rows x 4 output vectors = 24 accumulators
+constexpr int kPvSlab = 64;  // head_dim elements per PV pass
+
+// One query row of a tile: a (token, head) pair and the key positions [lo, pos] it attends to.
+struct QueryRow {
+  const float* q;
+  float* out;
+  int lo;
+  int pos;
+};
+
+// Keys [j, j + n) of the sequence, n <= 16, at columns [col, col + n) of one cache block.
+struct KeyChunk {
+  int j;
+  int block;
+  int col;
+  int n;
+};
+
+#ifdef PRECAST_ATTN_AVX512
+inline __mmask16 first_lanes(int n) { return n >= kLanes ? __mmask16(0xffff) : __mmask16((1u << std::max(n, 0)) - 1); }
+
+// 16 (masked) cache elements as float32; E4M3 as value / 256 (quantize.h), masked-off lanes 0.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint8_t* p, __mmask16 m) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(short(0xBFFF))));
+}
+
+// scores[r][j - base] = scale * sum_d q_r[d] k_j[d] for the keys of one or two chunks.
+template <class T, int NR>
+void qk_pass(const PagedKvLayer& c, int g, const QueryRow* rows, const KeyChunk* ch, int num_chunks, int base, float scale,
+             float* scores, int64_t stride) {
+  const int B = c.tokens_per_block;
+  const KeyChunk& c0 = ch[0];
+  const KeyChunk& c1 = ch[num_chunks - 1];
+  const T* k0 = c.k_tile<T>(c0.block, g) + c0.col;
+  const T* k1 = c.k_tile<T>(c1.block, g) + c1.col;
+  const __mmask16 m0 = first_lanes(c0.n), m1 = first_lanes(c1.n);
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int d = 0; d < c.head_dim; ++d) {
+    const __m512 a = load16(k0 + int64_t(d) * B, m0);
+    const __m512 b = load16(k1 + int64_t(d) * B, m1);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 qd = _mm512_set1_ps(rows[r].q[d]);
+      acc[r][0] = _mm512_fmadd_ps(qd, a, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qd, b, acc[r][1]);
+    }
   }
-  if (i < n) {
-    const __mmask16 mask = __mmask16((1u << (n - i)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + i), m));
-    _mm512_mask_storeu_ps(scores + i, mask, e);
-    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
-    i = n;
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int r = 0; r < NR; ++r) {
+    _mm512_mask_storeu_ps(scores + r * stride + (c0.j - base), m0, _mm512_mul_ps(acc[r][0], s));
+    if (num_chunks > 1) _mm512_mask_storeu_ps(scores + r * stride + (c1.j - base), m1, _mm512_mul_ps(acc[r][1], s));
   }
-  sum = _mm512_reduce_add_ps(acc);
+}
+
+// p[i] = exp(s[i] - max) * value_scale / sum over the row's keys [first, last], 0 elsewhere
+// in [0, width). Lane i % 16 accumulates the sum whatever the row's range (zeros add exactly).
+void softmax_row(float* s, int width, int first, int last, float value_scale) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  auto valid = [&](int i) {
+    const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(i));
+    return __mmask16(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(first)) & _mm512_cmple_epi32_mask(idx, _mm512_set1_epi32(last)));
+  };
+  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_maskz_loadu_ps(valid(i), s + i));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < width; i += kLanes) {
+    const __mmask16 v = valid(i);
+    const __m512 e = _mm512_maskz_mov_ps(v, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(v, s + i), m)));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(value_scale / _mm512_reduce_add_ps(sum));
+  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+}
+
+// out_r[d0 .. d0 + 64) = sum_j p_r[j] v_j[d0 .. d0 + 64), keys in order.
+template <class T, int NR>
+void pv_pass(const PagedKvLayer& c, int g, const QueryRow* rows, const std::vector<KeyChunk>& chunks, int base,
+             const float* probs, int64_t stride, int d0) {
+  const int D = c.head_dim;
+  __mmask16 m[4];
+  for (int v = 0; v < 4; ++v) m[v] = first_lanes(D - d0 - v * kLanes);
+  __m512 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (const KeyChunk& ch : chunks) {
+    const T* vrow = c.v_tile<T>(ch.block, g) + int64_t(ch.col) * D + d0;
+    const float* p = probs + (ch.j - base);
+    for (int k = 0; k < ch.n; ++k, vrow += D) {
+      __m512 w[4];
+      for (int v = 0; v < 4; ++v) w[v] = load16(vrow + v * kLanes, m[v]);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pb = _mm512_set1_ps(p[r * stride + k]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(pb, w[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(rows[r].out + d0 + v * kLanes, m[v], acc[r][v]);
+}
+
+template <class T, int NR = kQkRows>
+void qk_rows(int nr, const PagedKvLayer& c, int g, const QueryRow* rows, const KeyChunk* ch, int n, int base, float scale,
+             float* scores, int64_t stride) {
+  if constexpr (NR > 1) {
+    if (nr < NR) return qk_rows<T, NR - 1>(nr, c, g, rows, ch, n, base, scale, scores, stride);
+  }
+  qk_pass<T, NR>(c, g, rows, ch, n, base, scale, scores, stride);
+}
+
+template <class T, int NR = kPvRows>
+void pv_rows(int nr, const PagedKvLayer& c, int g, const QueryRow* rows, const std::vector<KeyChunk>& chunks, int base,
+             const float* probs, int64_t stride, int d0) {
+  if constexpr (NR > 1) {
+    if (nr < NR) return pv_rows<T, NR - 1>(nr, c, g, rows, chunks, base, probs, stride, d0);
+  }
+  pv_pass<T, NR>(c, g, rows, chunks, base, probs, stride, d0);
+}
+#else
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint8_t* p) { return e4m3_div256(*p); }
 #endif
-  for (; i < n; ++i) sum += (scores[i] = std::exp(scores[i] - mx));
-  return sum;
+
+// One tile: the query rows of one sequence and kv head, scores for keys [base, end).
+template <class T>
+void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const std::vector<QueryRow>& rows, float scale,
+                    std::vector<KeyChunk>& chunks, std::vector<float>& scores) {
+  const int B = c.tokens_per_block, D = c.head_dim, R = int(rows.size());
+  constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
+  const float score_scale = kFp8 ? scale * c.k_scale * 256.0f : scale;
+  const float value_scale = kFp8 ? c.v_scale * 256.0f : 1.0f;
+  int lo = rows[0].lo, end = rows[0].pos + 1;
+  for (const QueryRow& r : rows) lo = std::min(lo, r.lo), end = std::max(end, r.pos + 1);
+  const int base = lo & ~(kLanes - 1);
+  const int width = (end - base + kLanes - 1) / kLanes * kLanes;
+  chunks.clear();
+  for (int j = base; j < end;) {
+    const int col = j % B, n = std::min({kLanes, B - col, end - j});
+    chunks.push_back({j, block_table[j / B], col, n});
+    j += n;
+  }
+  scores.assign(size_t(R) * width, 0.0f);
+#ifdef PRECAST_ATTN_AVX512
+  for (int r0 = 0; r0 < R; r0 += kQkRows)
+    for (size_t ci = 0; ci < chunks.size(); ci += 2)
+      qk_rows<T>(std::min(kQkRows, R - r0), c, g, rows.data() + r0, chunks.data() + ci, int(std::min<size_t>(2, chunks.size() - ci)),
+                 base, score_scale, scores.data() + size_t(r0) * width, width);
+  for (int r = 0; r < R; ++r) softmax_row(scores.data() + size_t(r) * width, width, rows[r].lo - base, rows[r].pos - base, value_scale);
+  for (int d0 = 0; d0 < D; d0 += kPvSlab)
+    for (int r0 = 0; r0 < R; r0 += kPvRows)
+      pv_rows<T>(std::min(kPvRows, R - r0), c, g, rows.data() + r0, chunks, base, scores.data() + size_t(r0) * width, width, d0);
+#else
+  for (int r = 0; r < R; ++r) {
+    float* s = scores.data() + size_t(r) * width;
+    const int first = rows[r].lo - base, last = rows[r].pos - base;
+    float mx = -INFINITY;
+    for (const KeyChunk& ch : chunks)
+      for (int k = 0; k < ch.n; ++k) {
+        const int i = ch.j - base + k;
+        if (i < first || i > last) continue;
+        const T* kt = c.k_tile<T>(ch.block, g) + ch.col + k;
+        float acc = 0.0f;
+        for (int d = 0; d < D; ++d) acc = std::fma(rows[r].q[d], load1(kt + int64_t(d) * B), acc);
+        s[i] = acc * score_scale;
+        mx = std::max(mx, s[i]);
+      }
+    float lane_sum[kLanes] = {0};
+    for (int i = first; i <= last; ++i) lane_sum[i % kLanes] += (s[i] = std::exp(s[i] - mx));
+    float sum = 0.0f;
+    for (float x : lane_sum) sum += x;
+    for (int i = first; i <= last; ++i) s[i] *= value_scale / sum;
+    std::fill(rows[r].out, rows[r].out + D, 0.0f);
+    for (const KeyChunk& ch : chunks)
+      for (int k = 0; k < ch.n; ++k) {
+        const int i = ch.j - base + k;
+        if (i < first || i > last) continue;
+        const T* v = c.v_tile<T>(ch.block, g) + int64_t(ch.col + k) * D;
+        for (int d = 0; d < D; ++d) rows[r].out[d] = std::fma(s[i], load1(v + d), rows[r].out[d]);
+      }
+  }
+#endif
 }
 
 }  // namespace
 
 void write_kv(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v) {
   const int block = block_table[position / cache.tokens_per_block];
-  const int row = position % cache.tokens_per_block;
-  const int D = cache.head_dim;
+  const int col = position % cache.tokens_per_block;
+  const int D = cache.head_dim, B = cache.tokens_per_block;
   for (int g = 0; g < cache.num_kv_heads; ++g) {
     const float* kg = k + int64_t(g) * D;
     const float* vg = v + int64_t(g) * D;
     if (!cache.fp8) {
-      std::memcpy(cache.k_at<float>(block, g, row), kg, sizeof(float) * D);
-      std::memcpy(cache.v_at<float>(block, g, row), vg, sizeof(float) * D);
+      float* kt = cache.k_tile<float>(block, g) + col;
+      for (int d = 0; d < D; ++d) kt[int64_t(d) * B] = kg[d];
+      std::memcpy(cache.v_tile<float>(block, g) + int64_t(col) * D, vg, sizeof(float) * D);
       continue;
     }
-    uint8_t* kq = cache.k_at<uint8_t>(block, g, row);
-    uint8_t* vq = cache.v_at<uint8_t>(block, g, row);
-    for (int i = 0; i < D; ++i) {
-      kq[i] = e4m3_bits(round_to_e4m3(kg[i] / cache.k_scale));
-      vq[i] = e4m3_bits(round_to_e4m3(vg[i] / cache.v_scale));
+    uint8_t* kt = cache.k_tile<uint8_t>(block, g) + col;
+    uint8_t* vq = cache.v_tile<uint8_t>(block, g) + int64_t(col) * D;
+    for (int d = 0; d < D; ++d) {
+      kt[int64_t(d) * B] = e4m3_bits(round_to_e4m3(kg[d] / cache.k_scale));
+      vq[d] = e4m3_bits(round_to_e4m3(vg[d] / cache.v_scale));
     }
   }
 }
-
-namespace {
-
-// T: the cache element (float, or uint8_t E4M3 read as value / 256 and rescaled here).
-template <class T>
-void attention_items(const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs, const std::vector<int>& token_seq,
-                     const float* q, int64_t q_stride, int num_heads, int window, float scale, float* out, int64_t begin,
-                     int64_t end) {
-  const int D = cache.head_dim, B = cache.tokens_per_block;
-  const int group = num_heads / cache.num_kv_heads;
-  const int64_t num_items = int64_t(token_seq.size()) * num_heads;
-  constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
-  const float score_scale = kFp8 ? scale * cache.k_scale * 256.0f : scale;
-  const float value_scale = kFp8 ? cache.v_scale * 256.0f : 1.0f;
-  std::vector<float> scores;
-  for (int64_t k = begin; k < end; ++k) {
-    const int64_t item = (k % 2 == 0) ? k / 2 : num_items - 1 - k / 2;
-    const int t_global = int(item / num_heads), h = int(item % num_heads), g = h / group;
-    const AttentionSequence& seq = seqs[token_seq[t_global]];
-    const int pos = seq.context_len + (t_global - seq.token_offset);
-    const int lo = window > 0 ? std::max(0, pos - window + 1) : 0;
-    const float* qh = q + int64_t(t_global) * q_stride + int64_t(h) * D;
-    scores.resize(pos - lo + 1);
-    // Walk the positions block by block: one table lookup per block, no division per key.
-    float mx = -INFINITY;
-    for (int j0 = lo; j0 <= pos;) {
-      const int row0 = j0 % B, n = std::min(B - row0, pos - j0 + 1);
-      const T* k = cache.k_at<T>(seq.block_table[j0 / B], g, row0);
-      for (int r = 0; r < n; ++r, k += D) {
-        const float sc = dot(qh, k, D) * score_scale;
-        scores[j0 - lo + r] = sc;
-        mx = std::max(mx, sc);
-      }
-      j0 += n;
-    }
-    const float inv = value_scale / exp_shifted(scores.data(), int(scores.size()), mx);
-    float* oh = out + int64_t(t_global) * num_heads * D + int64_t(h) * D;
-    std::fill(oh, oh + D, 0.0f);
-    for (int j0 = lo; j0 <= pos;) {
-      const int row0 = j0 % B, n = std::min(B - row0, pos - j0 + 1);
-      const T* v = cache.v_at<T>(seq.block_table[j0 / B], g, row0);
-      for (int r = 0; r < n; ++r, v += D) axpy(scores[j0 - lo + r] * inv, v, oh, D);
-      j0 += n;
-    }
-  }
-}
-
-}  // namespace
 
 void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
                      const float* q, int64_t q_stride, int num_heads, int window, float scale, float* out) {
-  // Work items are (query token, head) pairs, each computed start to finish by one thread.
-  // Causal attention makes late tokens dearer than early ones, so items are dealt in
-  // zigzag order (first, last, second, second-to-last, ...): contiguous thread ranges
-  // then get similar amounts of work.
-  std::vector<int> token_seq;
-  for (int s = 0; s < int(seqs.size()); ++s) token_seq.insert(token_seq.end(), seqs[s].num_tokens, s);
-  const int64_t num_items = int64_t(token_seq.size()) * num_heads;
-  pool.parallel_for(num_items, [&](int64_t begin, int64_t end) {
-    if (cache.fp8) attention_items<uint8_t>(cache, seqs, token_seq, q, q_stride, num_heads, window, scale, out, begin, end);
-    else attention_items<float>(cache, seqs, token_seq, q, q_stride, num_heads, window, scale, out, begin, end);
+  // Work items are tiles: a few query tokens of one sequence times the heads sharing one kv
+  // head (GQA), so each K/V element loaded serves every row of the tile. Causal attention
+  // makes late tokens dearer than early ones; tiles are listed by token and dealt in zigzag
+  // order (first, last, second, second-to-last, ...), so contiguous thread ranges get
+  // similar amounts of work.
+  struct Tile {
+    int seq, kv_head, t0, num_tokens;
+  };
+  const int group = num_heads / cache.num_kv_heads, D = cache.head_dim;
+  const int tokens_per_tile = std::max(1, kQkRows / group);
+  std::vector<Tile> tiles;
+  for (int s = 0; s < int(seqs.size()); ++s)
+    for (int t0 = 0; t0 < seqs[s].num_tokens; t0 += tokens_per_tile)
+      for (int g = 0; g < cache.num_kv_heads; ++g) tiles.push_back({s, g, t0, std::min(tokens_per_tile, seqs[s].num_tokens - t0)});
+  const int64_t n = int64_t(tiles.size());
+  pool.parallel_for(n, [&](int64_t begin, int64_t end) {
+    std::vector<QueryRow> rows;
+    std::vector<KeyChunk> chunks;
+    std::vector<float> scores;
+    for (int64_t k = begin; k < end; ++k) {
+      const Tile& tile = tiles[(k % 2 == 0) ? k / 2 : n - 1 - k / 2];
+      const AttentionSequence& seq = seqs[tile.seq];
+      rows.clear();
+      for (int t = tile.t0; t < tile.t0 + tile.num_tokens; ++t) {
+        const int64_t row = seq.token_offset + t;
+        const int pos = seq.context_len + t, lo = window > 0 ? std::max(0, pos - window + 1) : 0;
+        for (int h = tile.kv_head * group; h < (tile.kv_head + 1) * group; ++h)
+          rows.push_back({q + row * q_stride + int64_t(h) * D, out + (row * num_heads + h) * D, lo, pos});
+      }
+      if (cache.fp8) attention_tile<uint8_t>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores);
+      else attention_tile<float>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores);
+    }
   });
 }
 

@@ -1,13 +1,19 @@
 // Paged attention over a packed batch, reading K/V in place through block tables.
 //
-// Cache layout per layer: [num_blocks][num_kv_heads][tokens_per_block][head_dim], so one
-// kv head's tokens within a block are contiguous. Elements are float32, or E4M3 bytes
-// with one K and one V scale per layer (fp8 KV cache: k = byte value * k_scale). Token position p of a sequence lives
-// in block block_table[p / tokens_per_block], row p % tokens_per_block.
+// Cache layout per layer: [num_blocks][num_kv_heads] tiles of tokens_per_block tokens.
+// K tiles are stored d-major, [head_dim][tokens_per_block], so that 16 consecutive keys'
+// element d is one vector: scores for 16 keys come out of broadcast-FMAs over d with no
+// horizontal sums. V tiles are token-major, [tokens_per_block][head_dim]. Elements are
+// float32, or E4M3 bytes with one K and one V scale per layer (fp8 KV cache: k = byte value
+// * k_scale). Token position p of a sequence lives in block block_table[p /
+// tokens_per_block], column / row p % tokens_per_block.
 //
 // One kernel serves both phases: a context (prefill) chunk is several query tokens of a
 // sequence, a decode step is one. Query token t of a sequence attends to positions
 // [lo, context_len + t] (causal), lo = context_len + t - window + 1 with a sliding window.
+// Every score is one FMA chain over d in order, every output one chain over keys in
+// order, and key j always sits in softmax lane j % 16: the result for a query row does
+// not depend on which other rows share its tile (batch invariance, chunked prefill).
 #pragma once
 
 #include <cstdint>
@@ -26,13 +32,13 @@ struct PagedKvLayer {
   bool fp8 = false;
   float k_scale = 1.0f;  // fp8 only
   float v_scale = 1.0f;
-  int64_t element_index(int block, int kv_head, int row) const {
-    return ((int64_t(block) * num_kv_heads + kv_head) * tokens_per_block + row) * head_dim;
+  int64_t tile_index(int block, int kv_head) const {
+    return (int64_t(block) * num_kv_heads + kv_head) * tokens_per_block * head_dim;
   }
   template <class T>
-  T* k_at(int block, int kv_head, int row) const { return static_cast<T*>(k) + element_index(block, kv_head, row); }
+  T* k_tile(int block, int kv_head) const { return static_cast<T*>(k) + tile_index(block, kv_head); }
   template <class T>
-  T* v_at(int block, int kv_head, int row) const { return static_cast<T*>(v) + element_index(block, kv_head, row); }
+  T* v_tile(int block, int kv_head) const { return static_cast<T*>(v) + tile_index(block, kv_head); }
 };
 
 struct AttentionSequence {
