@@ -84,6 +84,14 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     if opts.output.exists() and not opts.force:  # checked early: fail before minutes of work
         raise PrecastError(f"{opts.output} already exists; choose another --output or pass --force to replace it")
     opts.quant.check()
+    if "tensorrt" in opts.targets:  # fail before minutes of work when no TensorRT builder is installed
+        from precast.builder.tensorrt.trt_ops import import_tensorrt
+
+        import_tensorrt()
+        if opts.quant.kv_cache_dtype == "fp8":
+            from precast.builder.tensorrt.lowering import FP8_KV_REFUSAL
+
+            raise PrecastError(FP8_KV_REFUSAL)
     if opts.quant.active:
         return _build_quantized(opts, start)
 
@@ -148,8 +156,22 @@ def build_engine(opts: BuildOptions) -> BuildResult:
             for name, content in tokenizer.files.items():
                 (tmp / name).write_bytes(content)
         write_json(tmp / "config.json", config.to_dict())
+        config = _build_other_targets(tmp, opts) or config
         fsync_tree(tmp)
     return BuildResult(opts.output, config, time.perf_counter() - start, total_bytes)
+
+
+def _build_other_targets(tmp: Path, opts: BuildOptions) -> EngineConfig | None:
+    """The TensorRT plan, built into the engine's temporary directory (so the engine appears whole or not at all)."""
+    if "tensorrt" not in opts.targets:
+        return None
+    from precast.builder.tensorrt.plan import build_plan
+
+    report = build_plan(tmp, previous=opts.output if opts.output.is_dir() else None)
+    if opts.progress:
+        print(f"tensorrt plan: {report['builder']} {report['builder_version']}, {report['plan_bytes'] / 2**20:.1f} MiB "
+              f"in {report['build_seconds']} s, targets {report['compute_capabilities']}")
+    return load_engine(tmp).config
 
 
 def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
@@ -178,7 +200,7 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
             sequences, source = calibration_sequences(tokenizer_json, q.calib_text, q.calib_samples, q.calib_seq_len)
     opts.output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{opts.output.name}.full-", dir=opts.output.parent) as work:
-        full = build_engine(replace(opts, output=Path(work) / "engine", force=False, quant=QuantOptions()))
+        full = build_engine(replace(opts, output=Path(work) / "engine", force=False, quant=QuantOptions(), targets=("cpu",)))
         engine = load_engine(full.path)
         calib = None
         if sequences is not None:
@@ -197,6 +219,7 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
             if calib is not None:
                 section["calibration"] = calib.report
             write_json(tmp / "config.json", config.to_dict())
+            config = _build_other_targets(tmp, opts) or config
             fsync_tree(tmp)
     return BuildResult(opts.output, config, time.perf_counter() - start, total)
 

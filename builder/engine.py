@@ -34,7 +34,7 @@ ENGINE_FORMAT = "precast-engine"
 ENGINE_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
-TARGETS = ("cpu",)
+TARGETS = ("cpu", "tensorrt")
 
 # Engine dtypes: the --dtype name, its numpy type and its safetensors name.
 ENGINE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}

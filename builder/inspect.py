@@ -35,6 +35,7 @@ def engine_summary(engine: Engine) -> dict[str, object]:
         "quant": cfg.quant,
         "limits": cfg.limits.to_dict(),
         "targets": sorted(cfg.targets),
+        "tensorrt": cfg.targets.get("tensorrt") or None,
         "tokenizer": None if cfg.tokenizer is None else {k: v for k, v in cfg.tokenizer.items() if k != "chat_template"}
         | {"chat_template": cfg.tokenizer.get("chat_template") is not None},
         "provenance": cfg.provenance,
@@ -78,6 +79,13 @@ def format_summary(s: dict[str, object]) -> str:
         "limits         " + ", ".join(f"{k} {v}" for k, v in s["limits"].items()),  # type: ignore[union-attr]
         f"targets        {', '.join(s['targets'])}",  # type: ignore[arg-type]
     ]
+    trt = s.get("tensorrt")
+    if isinstance(trt, dict):
+        ccs = trt["compute_capabilities"]
+        lines.append(
+            f"tensorrt plan  {trt['plan']}, {_size(trt['plan_bytes'])}, by {trt['builder']} {trt['builder_version']} for "
+            f"{', '.join(ccs) if isinstance(ccs, list) else ccs}; activations {trt['activation_dtype']} (GPU-only)"
+        )
     tok = s["tokenizer"]
     if tok is None:
         lines.append("tokenizer      none (token ids in and out)")

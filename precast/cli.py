@@ -25,7 +25,7 @@ def _build(args: argparse.Namespace) -> None:
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
     )
-    targets = ("cpu",) if args.target == "all" else (args.target,)
+    targets = ("cpu", "tensorrt") if args.target == "all" else (args.target,)
     result = build_engine(
         BuildOptions(
             checkpoint=Path(args.checkpoint),
@@ -148,7 +148,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-seq-len", type=int, help="longest prompt + output (default: context length, at most 4096)")
     b.add_argument("--max-num-tokens", type=int, help="most tokens in one step (default: max-seq-len, at most 2048)")
     b.add_argument("--tokens-per-block", type=int, help="KV cache block size in tokens (default 32)")
-    b.add_argument("--target", default="cpu", choices=["cpu", "all"], help="what to build for (default cpu)")
+    b.add_argument("--target", default="cpu", choices=["cpu", "tensorrt", "all"],
+                   help="what to build for (default cpu): tensorrt adds a TensorRT plan (rank0.plan; needs `tensorrt` or "
+                        "`tensorrt-rtx` installed, runs on NVIDIA GPUs only); all = both")
     b.add_argument("--force", action="store_true", help="replace --output if it exists")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     qg = b.add_argument_group("quantization (docs/quantization.md)")

@@ -115,11 +115,17 @@ class LLM:
     ) -> None:
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
-        if backend != "cpu":
-            raise PrecastError(f"backend {backend!r} is not available in this build; available: cpu")
-        from precast.runtime.cpu_backend import make_cpu_runner
+        if backend == "cpu":
+            from precast.runtime.cpu_backend import make_cpu_runner
 
-        self._runner = make_cpu_runner(self.engine, num_threads)
+            self._runner = make_cpu_runner(self.engine, num_threads)
+        elif backend in ("tensorrt", "tensorrt-reference"):  # docs/tensorrt.md: GPU-only / numpy reference
+            from precast.runtime.tensorrt_backend import make_tensorrt_runner
+
+            self._runner = make_tensorrt_runner(self.engine, reference=backend == "tensorrt-reference")
+            prefix_reuse = False  # slot mode: one linear KV region per request
+        else:
+            raise PrecastError(f"unknown backend {backend!r}; available: cpu, tensorrt (NVIDIA GPU), tensorrt-reference")
         self.tokenizer = Tokenizer(self.engine) if self.engine.config.tokenizer else None
         self.eos_token_ids: list[int] = list((self.engine.config.tokenizer or {}).get("eos_token_ids") or [])
 

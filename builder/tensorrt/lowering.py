@@ -35,12 +35,18 @@ from typing import Any
 
 import numpy as np
 
-from precast.builder.engine import Engine
+from precast.builder.engine import Engine, EngineConfig
 from precast.builder.rope import rope_parameters
 from precast.builder.tensorrt.ops import ACTIVATION_DTYPES, Ops
 from precast.errors import PrecastError
 from precast.quantization.formats import unpack_fp4, unpack_int4
 from precast.quantization.recipe import head_name
+
+
+FP8_KV_REFUSAL = (
+    "--kv-cache-dtype fp8 cannot be lowered to TensorRT: its KV-cache update layer takes float32/float16/bfloat16 caches "
+    "only; build --target tensorrt with --kv-cache-dtype auto (or keep --target cpu for an fp8 KV cache)"
+)
 
 
 @dataclass(frozen=True)
@@ -57,16 +63,13 @@ class NetworkShape:
         return self.max_seq_len + self.max_num_tokens
 
 
-def check_supported(engine: Engine, act_dtype: str) -> None:
+def check_supported(config: EngineConfig, act_dtype: str) -> None:
     """What the TensorRT target cannot express, refused before any work (naming the layer and precision)."""
-    spec, limits = engine.config.model, engine.config.limits
+    spec, limits = config.model, config.limits
     if act_dtype not in ACTIVATION_DTYPES:
         raise PrecastError(f"TensorRT activations must be one of {', '.join(ACTIVATION_DTYPES)}, got {act_dtype!r}")
     if limits.kv_cache_dtype == "fp8":
-        raise PrecastError(
-            "--kv-cache-dtype fp8 cannot be lowered to TensorRT: its KV-cache update layer takes float32/float16/bfloat16 "
-            "caches only; build the TensorRT target with --kv-cache-dtype auto (or use --target cpu for an fp8 KV cache)"
-        )
+        raise PrecastError(FP8_KV_REFUSAL)
     if spec.sliding_window and spec.sliding_window < limits.max_seq_len:
         raise PrecastError(
             f"layers {list(spec.sliding_window_layers)} use a {spec.sliding_window}-token sliding window, which TensorRT's "
@@ -209,7 +212,7 @@ class DecoderLowering:
 
 def lower(ops: Ops, engine: Engine, act_dtype: str | None = None) -> DecoderLowering:
     act = act_dtype or engine.config.dtype
-    check_supported(engine, act)
+    check_supported(engine.config, act)
     lowering = DecoderLowering(ops, engine, act)
     lowering.build()
     return lowering

@@ -1,0 +1,142 @@
+"""Building a TensorRT plan for an engine directory: `precast build ... --target tensorrt`.
+
+The plan is built from the engine's own weights (so the CPU and TensorRT targets run the same
+numbers), with one optimization profile from the engine's build limits, and lands beside them:
+
+    ENGINE/rank0.plan            the serialized TensorRT engine (GPU-only: never run here)
+    ENGINE/tensorrt_build.json   the build report: builder and version, compute capabilities,
+                                 precision per layer, build time, plan size
+    ENGINE/timing.cache          TensorRT's timing cache, read back by the next build
+    config.json targets.tensorrt what the runtime checks before loading the plan
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from precast.builder.engine import CONFIG_FILE, load_engine, write_json
+from precast.builder.tensorrt.lowering import check_supported, lower
+from precast.builder.tensorrt.trt_ops import TrtOps, import_tensorrt
+from precast.errors import PrecastError
+
+PLAN_FILE = "rank0.plan"
+REPORT_FILE = "tensorrt_build.json"
+TIMING_CACHE_FILE = "timing.cache"
+
+# What each TensorRT-RTX target can run (its builder's errors, measured here): FP4 needs Blackwell (sm120+), FP8
+# Ada (sm89+), bfloat16 and float32 matrix products Ampere (sm80+; Turing has no FP32 GEMM there).
+_AMPERE_ON = ("SM80", "SM86", "SM89", "SM120", "SM121")
+_RTX_TARGETS = {"fp4": ("SM120", "SM121"), "fp8": ("SM89", "SM120", "SM121"), "bfloat16": _AMPERE_ON, "float32": _AMPERE_ON}
+_RTX_ALL = ("SM75", "SM80", "SM86", "SM89", "SM120", "SM121")
+
+
+def rtx_compute_capabilities(dtypes: set[str]) -> list[str]:
+    """The TensorRT-RTX targets able to run every dtype the network uses."""
+    return [cc for cc in _RTX_ALL if all(cc in _RTX_TARGETS.get(d, _RTX_ALL) for d in dtypes)]
+
+
+def layer_precisions(config: Any, act_dtype: str) -> dict[str, str]:
+    """Per linear layer: weight and input precision as lowered (the report's precision table)."""
+    from precast.quantization.recipe import linear_shapes
+
+    out = {}
+    for name in linear_shapes(config.model):
+        entry = config.quant.get("layers", {}).get(name)
+        if entry is None:
+            out[name] = f"{act_dtype} weights, {act_dtype} inputs"
+        elif entry["format"] == "fp8":
+            out[name] = "fp8 weights (per-tensor scale), fp8 inputs (static scale)"
+        elif entry["format"] == "nvfp4":
+            out[name] = "nvfp4 weights (E4M3 per 16 x global), nvfp4 inputs (dynamic per 16)"
+        else:
+            out[name] = f"int4 weights (groups of {entry['group_size']}), {act_dtype} inputs"
+    return out
+
+
+def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | None = None) -> dict[str, Any]:
+    """Build ENGINE/rank0.plan (+ report, timing cache) and record it in ENGINE/config.json.
+    `previous`: an older build of the same engine whose timing cache seeds this one."""
+    trt = import_tensorrt()
+    engine = load_engine(engine_dir)
+    act = act_dtype or engine.config.dtype
+    check_supported(engine.config, act)
+    limits = engine.config.limits
+    start = time.perf_counter()
+    logger = quiet_logger(trt)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    ops = TrtOps(trt, network)
+    lower(ops, engine, act)
+
+    config = builder.create_builder_config()
+    S, tokens = limits.max_batch_size, limits.max_num_tokens
+    profile = builder.create_optimization_profile()
+    for name in ("input_ids", "position_ids"):  # [slots, step]: a decode step up to a full chunk of prefill
+        profile.set_shape(name, (S, 1), (S, 1), (S, tokens))
+    profile.set_shape("last_token_ids", (1,), (S,), (S,))
+    config.add_optimization_profile(profile)
+
+    targets: list[str] | str = "the GPU present at build time"
+    if trt.__name__ == "tensorrt_rtx":
+        targets = rtx_compute_capabilities({e.dtype for e in ops.trace} | {act})
+        config.num_compute_capabilities = len(targets)
+        for i, cc in enumerate(targets):
+            config.set_compute_capability(getattr(trt.ComputeCapability, cc), i)
+
+    cache_path = engine_dir / TIMING_CACHE_FILE
+    seed = next((p for p in (cache_path, (previous or engine_dir) / TIMING_CACHE_FILE) if p.is_file()), None)
+    cache = config.create_timing_cache(seed.read_bytes() if seed else b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise PrecastError(f"{trt.__name__} could not build a plan for {engine_dir} (its log above says why)")
+    plan = bytes(serialized)
+    seconds = time.perf_counter() - start
+    _atomic_write(engine_dir / PLAN_FILE, plan)
+    _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+
+    record = {
+        "plan": PLAN_FILE,
+        "report": REPORT_FILE,
+        "builder": trt.__name__,
+        "builder_version": trt.__version__,
+        "compute_capabilities": targets,
+        "activation_dtype": act,
+        "cache_len": limits.max_seq_len + limits.max_num_tokens,
+        "plan_bytes": len(plan),
+        "plan_sha256": hashlib.sha256(plan).hexdigest(),
+    }
+    report = {**record, "build_seconds": round(seconds, 2), "network_layers": len(ops.trace),
+              "layer_precision": layer_precisions(engine.config, act),
+              "kv_cache": f"{act}, [{S}, {engine.config.model.num_kv_heads}, {record['cache_len']}, {engine.config.model.head_dim}] per layer"}
+    write_json(engine_dir / REPORT_FILE, report)
+    data = json.loads((engine_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    data["targets"]["tensorrt"] = record
+    _atomic_write(engine_dir / CONFIG_FILE, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    return report
+
+
+def quiet_logger(trt: Any) -> Any:
+    """Errors and warnings that matter; TensorRT-RTX's report that no CUDA driver is present is dropped
+    (building a plan needs no GPU)."""
+
+    class Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: Any, msg: str) -> None:
+            if severity <= trt.ILogger.Severity.ERROR and "CUDA driver version is insufficient" not in msg:
+                print(f"[{trt.__name__}] {msg}", flush=True)
+
+    return Logger()
+
+
+def _atomic_write(path: Path, content: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(content)
+    tmp.replace(path)
