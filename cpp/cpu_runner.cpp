@@ -217,11 +217,21 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
   const float scale = 1.0f / std::sqrt(float(D));
   auto rows_parallel = [&](int n, auto&& fn) { pool_.parallel_for(n, [&](int64_t b, int64_t e) { fn(int(b), int(e - b)); }); };
 
+  // Residual adds ride along with the next norm, split over rows like it: x += tmp, then h = norm(x).
+  auto add_then_norm = [&](bool add, const float* weight) {
+    rows_parallel(T, [&](int r, int n) {
+      float* x = x_.data() + size_t(r) * H;
+      if (add)
+        for (size_t i = 0; i < size_t(n) * H; ++i) x[i] += tmp_[size_t(r) * H + i];
+      if (weight) rms_norm(x, weight, n, H, c.norm_eps, h_.data() + size_t(r) * H);
+    });
+  };
+  bool mlp_pending = false;  // tmp_ holds the previous layer's MLP output, not yet added to x_
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
     PagedKvLayer cache{k_cache_[li].get(), v_cache_[li].get(), tokens_per_block_, c.num_kv_heads, D, c.kv_fp8,
                        c.kv_fp8 ? c.k_scales[li] : 1.0f, c.kv_fp8 ? c.v_scales[li] : 1.0f};
-    rows_parallel(T, [&](int r, int n) { rms_norm(x_.data() + size_t(r) * H, L.attn_norm, n, H, c.norm_eps, h_.data() + size_t(r) * H); });
+    add_then_norm(mlp_pending, L.attn_norm);
     apply(*L.qkv, L.prefix + "attn.qkv", h_.data(), T, L.qkv_bias, qkv_.data());
     rows_parallel(T, [&](int r0, int n) {
       for (int t = r0; t < r0 + n; ++t) {
@@ -242,13 +252,13 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
     }
     paged_attention(pool_, cache, seqs, qkv_.data(), qkv_size, c.num_heads, L.sliding ? c.sliding_window : 0, scale, attn_.data());
     apply(*L.o, L.prefix + "attn.o", attn_.data(), T, nullptr, tmp_.data());
-    for (size_t i = 0; i < size_t(T) * H; ++i) x_[i] += tmp_[i];
-    rows_parallel(T, [&](int r, int n) { rms_norm(x_.data() + size_t(r) * H, L.mlp_norm, n, H, c.norm_eps, h_.data() + size_t(r) * H); });
+    add_then_norm(true, L.mlp_norm);
     apply(*L.gate_up, L.prefix + "mlp.gate_up", h_.data(), T, nullptr, gate_up_.data());
     rows_parallel(T, [&](int r, int n) { silu_and_mul(gate_up_.data() + size_t(r) * 2 * inter, n, inter, act_.data() + size_t(r) * inter); });
     apply(*L.down, L.prefix + "mlp.down", act_.data(), T, nullptr, tmp_.data());
-    for (size_t i = 0; i < size_t(T) * H; ++i) x_[i] += tmp_[i];
+    mlp_pending = true;
   }
+  if (mlp_pending) add_then_norm(true, nullptr);
 
   // Final norm and LM head only for the last token of each sampling sequence (every
   // token of them with all_logits; every token's norm when calibrating).

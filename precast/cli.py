@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace) -> None:
         stop=args.stop or [],
         ignore_eos=args.ignore_eos,
     )
-    with LLM(args.engine, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads) as llm:
+    with LLM(args.engine, backend=args.backend, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads) as llm:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         if args.stream:
             out = None
@@ -102,7 +102,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     serve(args.engine, args.host, args.port, model_name=args.served_model_name, api_key=args.api_key,
           max_concurrency=args.max_concurrency, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
-          log_level=args.log_level)
+          log_level=args.log_level, backend=args.backend)
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -189,6 +189,9 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true")
     r.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB (default: a quarter of free RAM)")
     r.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
+    r.add_argument("--backend", default="cpu", choices=["cpu", "tensorrt", "tensorrt-reference"],
+                   help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: that "
+                        "plan's network evaluated in numpy on the CPU (slow, for checking)")
     r.add_argument("--verbose", action="store_true", help="print token count and finish reason to stderr")
     r.set_defaults(func=_run)
 
@@ -201,6 +204,9 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-concurrency", type=int, help="HTTP requests generating at once; more wait (default: no limit)")
     v.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB")
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
+    v.add_argument("--backend", default="cpu", choices=["cpu", "tensorrt", "tensorrt-reference"],
+                   help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: that "
+                        "plan's network evaluated in numpy on the CPU (slow, for checking)")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     v.set_defaults(func=_serve)
 

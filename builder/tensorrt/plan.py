@@ -6,7 +6,8 @@ numbers), with one optimization profile from the engine's build limits, and land
     ENGINE/rank0.plan            the serialized TensorRT engine (GPU-only: never run here)
     ENGINE/tensorrt_build.json   the build report: builder and version, compute capabilities,
                                  precision per layer, build time, plan size
-    ENGINE/timing.cache          TensorRT's timing cache, read back by the next build
+    ENGINE/timing.cache          TensorRT's timing cache, read back by the next build (full TensorRT;
+                                 TensorRT-RTX does not time kernels and keeps none)
     config.json targets.tensorrt what the runtime checks before loading the plan
 """
 
@@ -87,10 +88,14 @@ def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | 
         for i, cc in enumerate(targets):
             config.set_compute_capability(getattr(trt.ComputeCapability, cc), i)
 
-    cache_path = engine_dir / TIMING_CACHE_FILE
-    seed = next((p for p in (cache_path, (previous or engine_dir) / TIMING_CACHE_FILE) if p.is_file()), None)
-    cache = config.create_timing_cache(seed.read_bytes() if seed else b"")
-    config.set_timing_cache(cache, ignore_mismatch=False)
+    # Full TensorRT keeps a timing cache beside the engine and seeds the next build with it (from the engine being
+    # replaced, on --force). TensorRT-RTX chooses kernels without timing: its timing cache calls are no-ops.
+    cache_path, cache_state = engine_dir / TIMING_CACHE_FILE, "not used by tensorrt_rtx (it does not time kernels)"
+    use_cache = trt.__name__ == "tensorrt"
+    if use_cache:
+        seed = next((p for p in (cache_path, (previous or engine_dir) / TIMING_CACHE_FILE) if p.is_file()), None)
+        config.set_timing_cache(config.create_timing_cache(seed.read_bytes() if seed else b""), ignore_mismatch=False)
+        cache_state = "reused" if seed else "new"
 
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
@@ -98,7 +103,8 @@ def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | 
     plan = bytes(serialized)
     seconds = time.perf_counter() - start
     _atomic_write(engine_dir / PLAN_FILE, plan)
-    _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+    if use_cache:
+        _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
 
     record = {
         "plan": PLAN_FILE,
@@ -112,6 +118,7 @@ def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | 
         "plan_sha256": hashlib.sha256(plan).hexdigest(),
     }
     report = {**record, "build_seconds": round(seconds, 2), "network_layers": len(ops.trace),
+              "timing_cache": cache_state,
               "layer_precision": layer_precisions(engine.config, act),
               "kv_cache": f"{act}, [{S}, {engine.config.model.num_kv_heads}, {record['cache_len']}, {engine.config.model.head_dim}] per layer"}
     write_json(engine_dir / REPORT_FILE, report)

@@ -164,7 +164,9 @@ class TritonPythonModel:
                     if triton_id:
                         self.by_triton_id[triton_id] = out.request_id
                     final = out
-                    if cancel_watch.done():
+                    # Checked before every send as well: sending on a stream whose client is gone can block the
+                    # model's event loop (and with it the metrics task), not only fail.
+                    if cancel_watch.done() or (sender is not None and sender.is_cancelled()):
                         break
                     if flags["stream"] and (out.delta or out.delta_token_ids) and not out.finished:
                         sender.send(pb_utils.InferenceResponse(output_tensors=self._outputs(out, flags, prompt_ids, prefix + out.text)))
@@ -180,7 +182,8 @@ class TritonPythonModel:
                 # Ended by the client's own `stop` request: a normal final response.
                 return self._finish(sender, pb_utils.InferenceResponse(output_tensors=self._outputs(
                     final, flags, prompt_ids, prefix + final.text)))
-            if final is None or (cancel_watch.done() and not final.finished) or final.finish_reason == "cancelled":
+            client_gone = cancel_watch.done() or (sender is not None and sender.is_cancelled())
+            if final is None or (client_gone and not final.finished) or final.finish_reason == "cancelled":
                 error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
                 return self._finish(sender, pb_utils.InferenceResponse(error=error))
             response = pb_utils.InferenceResponse(output_tensors=self._outputs(final, flags, prompt_ids, prefix + final.text))
