@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <optional>
 
 #include "check.h"
@@ -320,7 +321,7 @@ PYBIND11_MODULE(_C, m) {
   }, "nvfp4 dynamic activation quantization, returned dequantized (for tests).");
   m.def("linear", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, WeightDtype dtype, int rows, int cols,
                      py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
-                     float scale, int num_threads) {
+                     float scale, int num_threads, int repeats) {
     WeightView w{dtype, rows, cols, values.data(), group_scales ? group_scales->data() : nullptr, group_size, scale};
     if (values.nbytes() != py::ssize_t(weight_values_bytes(dtype, rows, cols))) throw std::invalid_argument("wrong number of value bytes");
     if (is_4bit(dtype)) {
@@ -332,11 +333,26 @@ PYBIND11_MODULE(_C, m) {
     PackedMatrix m = PackedMatrix::pack(w);
     ThreadPool pool(num_threads);
     py::array_t<float> y({x.shape(0), py::ssize_t(rows)});
-    linear(pool, x.data(), int(x.shape(0)), m, nullptr, y.mutable_data());
-    return y;
+    const int n = int(x.shape(0));
+    const float* xd = x.data();
+    float* yd = y.mutable_data();
+    py::gil_scoped_release release;
+    if (repeats >= 0) {
+      linear(pool, xd, n, m, nullptr, yd);
+      py::gil_scoped_acquire acquire;
+      return py::object(y);
+    }
+    // repeats = -N (benchmarks): one warm-up call (the pool's threads start cold), then the mean seconds of N calls.
+    linear(pool, xd, n, m, nullptr, yd);
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < -repeats; ++r) linear(pool, xd, n, m, nullptr, yd);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / -repeats;
+    py::gil_scoped_acquire acquire;
+    return py::object(py::make_tuple(y, seconds));
   }, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"), py::arg("group_scales") = py::none(),
-     py::arg("group_size") = 0, py::arg("scale") = 1.0f, py::arg("num_threads") = 1,
-     "y = x @ W.T for a weight in the engine's stored layout (kernel tests).");
+     py::arg("group_size") = 0, py::arg("scale") = 1.0f, py::arg("num_threads") = 1, py::arg("repeats") = 1,
+     "y = x @ W.T for a weight in the engine's stored layout (kernel tests); repeats=-N returns (y, mean seconds of N "
+     "multiplies after a warm-up, packing excluded), for benchmarks/gemm_cpu.py.");
 
   py::class_<Executor, py::smart_holder>(m, "Executor")
       .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>>(), py::call_guard<py::gil_scoped_release>())

@@ -133,3 +133,17 @@ def test_no_gpu_fails_at_once_with_a_clear_message(planned_engine):
         pytest.skip("this machine has an NVIDIA GPU")  # the check below is for machines without one
     with pytest.raises(PrecastError, match="runs TensorRT plans on an NVIDIA GPU, and this machine has none"):
         LLM(planned_engine, backend="tensorrt")
+
+
+def test_smollm2_plan_and_its_network_answer_on_cpu(smollm2_gguf, tmp_path):
+    """The real model end to end: a bfloat16 plan built from the command line, and the plan's network (evaluated in
+    numpy through backend tensorrt-reference) answering the chat question as the CPU runner does."""
+    out = tmp_path / "smollm2"
+    r = precast("build", "--checkpoint", str(smollm2_gguf), "--output", str(out), "--dtype", "bfloat16", "--target", "all",
+                "--max-batch-size", "2", "--max-seq-len", "128", "--max-num-tokens", "64", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / REPORT_FILE).read_text())["plan_bytes"] > 200 << 20  # the weights are in the plan
+    r = precast("run", str(out), "--backend", "tensorrt-reference", "--chat", "--max-tokens", "10", "--prompt",
+                "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "The capital of France is Paris." in r.stdout
