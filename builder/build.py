@@ -167,11 +167,11 @@ def _build_other_targets(tmp: Path, opts: BuildOptions) -> EngineConfig | None:
         return None
     from precast.builder.tensorrt.plan import build_plan
 
-    report = build_plan(tmp, previous=opts.output if opts.output.is_dir() else None)
+    report, config = build_plan(tmp, previous=opts.output if opts.output.is_dir() else None)
     if opts.progress:
         print(f"tensorrt plan: {report['builder']} {report['builder_version']}, {report['plan_bytes'] / 2**20:.1f} MiB "
               f"in {report['build_seconds']} s, targets {report['compute_capabilities']}")
-    return load_engine(tmp).config
+    return config
 
 
 def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:

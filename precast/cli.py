@@ -136,6 +136,14 @@ def _memory_size(text: str) -> int:
     return int(float(t))
 
 
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    from precast.runtime.llm import BACKENDS
+
+    parser.add_argument("--backend", default="cpu", choices=BACKENDS,
+                        help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: "
+                             "that plan's network evaluated in numpy on the CPU (slow, for checking)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="precast", description="Build and run quantized LLM engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,9 +197,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true")
     r.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB (default: a quarter of free RAM)")
     r.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
-    r.add_argument("--backend", default="cpu", choices=["cpu", "tensorrt", "tensorrt-reference"],
-                   help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: that "
-                        "plan's network evaluated in numpy on the CPU (slow, for checking)")
+    _add_backend(r)
     r.add_argument("--verbose", action="store_true", help="print token count and finish reason to stderr")
     r.set_defaults(func=_run)
 
@@ -204,9 +210,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-concurrency", type=int, help="HTTP requests generating at once; more wait (default: no limit)")
     v.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB")
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
-    v.add_argument("--backend", default="cpu", choices=["cpu", "tensorrt", "tensorrt-reference"],
-                   help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: that "
-                        "plan's network evaluated in numpy on the CPU (slow, for checking)")
+    _add_backend(v)
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     v.set_defaults(func=_serve)
 

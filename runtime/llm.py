@@ -33,6 +33,7 @@ _FINISH_REASONS = {
     _C.FinishReason.CANCELLED: "cancelled",
     _C.FinishReason.ERROR: "error",
 }
+BACKENDS = ("cpu", "tensorrt", "tensorrt-reference")  # docs/tensorrt.md for the two TensorRT ones
 DEFAULT_KV_FRACTION = 0.25  # of available RAM, when no --kv-cache-memory is given
 
 
@@ -123,9 +124,8 @@ class LLM:
             from precast.runtime.tensorrt_backend import make_tensorrt_runner
 
             self._runner = make_tensorrt_runner(self.engine, reference=backend == "tensorrt-reference")
-            prefix_reuse = False  # slot mode: one linear KV region per request
         else:
-            raise PrecastError(f"unknown backend {backend!r}; available: cpu, tensorrt (NVIDIA GPU), tensorrt-reference")
+            raise PrecastError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)} (tensorrt: an NVIDIA GPU)")
         self.tokenizer = Tokenizer(self.engine) if self.engine.config.tokenizer else None
         self.eos_token_ids: list[int] = list((self.engine.config.tokenizer or {}).get("eos_token_ids") or [])
 

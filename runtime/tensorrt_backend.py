@@ -18,17 +18,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from precast import _C
-from precast.builder.engine import Engine
+from precast.builder.engine import Engine, numpy_dtype
 from precast.builder.tensorrt.lowering import NetworkShape
 from precast.errors import PrecastError
-
-_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class StepExecutor(Protocol):
     """Runs one network step: inputs by name (caches excluded) -> logits [N, vocab]; owns the KV caches."""
 
-    def allocate(self, num_slots: int) -> None: ...
+    def allocate(self) -> None: ...  # zeroed KV caches for every slot of the plan
     def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray: ...
 
 
@@ -37,10 +35,10 @@ class PlanRecord:
     """config.json's targets.tensorrt, checked."""
 
     plan: Path
+    data: bytes  # the plan, read once: checked here, deserialized by CudaPlanStep
     builder: str
     builder_version: str
     activation_dtype: str
-    cache_len: int
 
 
 def plan_record(engine: Engine) -> PlanRecord:
@@ -51,9 +49,10 @@ def plan_record(engine: Engine) -> PlanRecord:
     plan = engine.path / record["plan"]
     if not plan.is_file():
         raise PrecastError(f"{engine.path}: the TensorRT plan {record['plan']} is missing; rebuild with --target tensorrt")
-    if hashlib.sha256(plan.read_bytes()).hexdigest() != record["plan_sha256"]:
+    data = plan.read_bytes()
+    if hashlib.sha256(data).hexdigest() != record["plan_sha256"]:
         raise PrecastError(f"{plan} is corrupt (its sha256 differs from the one recorded at build); rebuild with --target tensorrt")
-    return PlanRecord(plan, record["builder"], record["builder_version"], record["activation_dtype"], int(record["cache_len"]))
+    return PlanRecord(plan, data, record["builder"], record["builder_version"], record["activation_dtype"])
 
 
 def check_runtime_version(record: PlanRecord) -> Any:
@@ -75,11 +74,10 @@ class TensorRTRunner(_C.ModelRunner):
 
     def __init__(self, engine: Engine, step: StepExecutor, activation_dtype: str):
         super().__init__()
-        limits, spec = engine.config.limits, engine.config.model
-        self.shape = NetworkShape(limits.max_batch_size, limits.max_seq_len, limits.max_num_tokens)
-        self.spec = spec
+        self.shape = NetworkShape.of(engine.config)
+        self.spec = engine.config.model
         self.step = step
-        self.element_bytes = _ELEMENT_BYTES[activation_dtype]
+        self.element_bytes = numpy_dtype(activation_dtype).itemsize
         self.slot_lengths = [0] * self.shape.max_batch_size  # positions written per slot (filler goes after them)
 
     def vocab_size(self) -> int:
@@ -90,14 +88,14 @@ class TensorRTRunner(_C.ModelRunner):
 
     def kv_block_bytes(self, tokens_per_block: int) -> int:
         """One slot: K and V of every layer over cache_len positions (max_seq_len + room for a padded step)."""
-        s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * self.shape.cache_len * s.head_dim * self.element_bytes
+        _, heads, positions, head_dim = self.shape.kv_cache_shape(self.spec)
+        return 2 * self.spec.num_layers * heads * positions * head_dim * self.element_bytes
 
     def configure_kv(self, num_blocks: int, tokens_per_block: int) -> None:
         if num_blocks > self.shape.max_batch_size:
             raise ValueError(f"the TensorRT plan has {self.shape.max_batch_size} slots (its --max-batch-size) and the KV "
                              f"memory given holds {num_blocks}; give at most {self.shape.max_batch_size * self.kv_block_bytes(0)} bytes")
-        self.step.allocate(self.shape.max_batch_size)
+        self.step.allocate()
 
     def forward(self, batch: Any) -> np.ndarray:
         feeds, slots = self.pack(batch)
@@ -151,10 +149,10 @@ class NumpyStep:
         self.act = activation_dtype
         self.caches: dict[str, np.ndarray] = {}
 
-    def allocate(self, num_slots: int) -> None:
-        s, limits = self.engine.config.model, self.engine.config.limits
-        shape = (num_slots, s.num_kv_heads, limits.max_seq_len + limits.max_num_tokens, s.head_dim)
-        self.caches = {f"{k}_cache.{i}": np.zeros(shape, np.float32) for i in range(s.num_layers) for k in "kv"}
+    def allocate(self) -> None:
+        spec = self.engine.config.model
+        shape = NetworkShape.of(self.engine.config).kv_cache_shape(spec)
+        self.caches = {f"{k}_cache.{i}": np.zeros(shape, np.float32) for i in range(spec.num_layers) for k in "kv"}
 
     def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         from precast.builder.tensorrt.lowering import lower
@@ -194,14 +192,13 @@ class CudaPlanStep:  # pragma: no cover - GPU-only, never run in this project's 
         self.cudart, self.trt, self.engine = cudart, trt, engine
         from precast.builder.tensorrt.plan import quiet_logger
 
-        self.plan = trt.Runtime(quiet_logger(trt)).deserialize_cuda_engine(record.plan.read_bytes())
+        self.plan = trt.Runtime(quiet_logger(trt)).deserialize_cuda_engine(record.data)
         if self.plan is None:
             raise PrecastError(f"{record.plan} did not load on this GPU (a target it was not built for?); rebuild it here")
         self.context = self.plan.create_execution_context()
         self.stream = self._check(cudart.cudaStreamCreate())
         self.buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, bytes)
         self.act = record.activation_dtype
-        self.cache_len = record.cache_len
 
     def _check(self, result: Any) -> Any:
         err, *rest = result if isinstance(result, tuple) else (result,)
@@ -218,9 +215,9 @@ class CudaPlanStep:  # pragma: no cover - GPU-only, never run in this project's 
             self.buffers[name] = (ptr, nbytes)
         return ptr
 
-    def allocate(self, num_slots: int) -> None:
+    def allocate(self) -> None:
         s = self.engine.config.model
-        nbytes = num_slots * s.num_kv_heads * self.cache_len * s.head_dim * _ELEMENT_BYTES[self.act]
+        nbytes = int(np.prod(NetworkShape.of(self.engine.config).kv_cache_shape(s))) * numpy_dtype(self.act).itemsize
         for i in range(s.num_layers):
             for k in "kv":
                 ptr = self._buffer(f"{k}_cache.{i}", nbytes)

@@ -37,6 +37,7 @@ import numpy as np
 
 from precast.builder.engine import Engine, EngineConfig
 from precast.builder.rope import rope_parameters
+from precast.builder.spec import ModelSpec
 from precast.builder.tensorrt.ops import ACTIVATION_DTYPES, Ops
 from precast.errors import PrecastError
 from precast.quantization.formats import unpack_fp4, unpack_int4
@@ -62,6 +63,15 @@ class NetworkShape:
         """Positions per slot: a padded step may write up to max_num_tokens rows past a slot's tokens."""
         return self.max_seq_len + self.max_num_tokens
 
+    @classmethod
+    def of(cls, config: EngineConfig) -> NetworkShape:
+        limits = config.limits
+        return cls(limits.max_batch_size, limits.max_seq_len, limits.max_num_tokens)
+
+    def kv_cache_shape(self, spec: ModelSpec) -> tuple[int, int, int, int]:
+        """One layer's K (or V) cache, every slot: [slots, num_kv_heads, cache_len, head_dim]."""
+        return (self.max_batch_size, spec.num_kv_heads, self.cache_len, spec.head_dim)
+
 
 def check_supported(config: EngineConfig, act_dtype: str) -> None:
     """What the TensorRT target cannot express, refused before any work (naming the layer and precision)."""
@@ -85,8 +95,7 @@ class DecoderLowering:
         self.spec = engine.config.model
         self.act = act_dtype or engine.config.dtype
         self.quant_layers: dict[str, dict[str, Any]] = engine.config.quant.get("layers", {})
-        limits = engine.config.limits
-        self.shape = NetworkShape(limits.max_batch_size, limits.max_seq_len, limits.max_num_tokens)
+        self.shape = NetworkShape.of(engine.config)
         self._weights: dict[tuple[str, int, int], Any] = {}
         self._scalars: dict[tuple[float, str, int], Any] = {}
 
@@ -192,7 +201,7 @@ class DecoderLowering:
             new = {"k": ops.rotary(heads(qkv["k"], KVH), cos, sin, position_ids), "v": heads(qkv["v"], KVH)}
             caches = {}
             for kind in ("k", "v"):
-                cache = ops.input(f"{kind}_cache.{i}", act, (S, KVH, shape.cache_len, D))
+                cache = ops.input(f"{kind}_cache.{i}", act, shape.kv_cache_shape(spec))
                 caches[kind] = ops.kv_cache_update(cache, new[kind], write_indices)
                 ops.output(f"{kind}_cache_out.{i}", caches[kind])
             attn = ops.attention(q, caches["k"], caches["v"], kv_lengths)  # [S, H, step, D]

@@ -14,12 +14,12 @@ numbers), with one optimization profile from the engine's build limits, and land
 from __future__ import annotations
 
 import hashlib
-import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from precast.builder.engine import CONFIG_FILE, load_engine, write_json
+from precast.builder.engine import CONFIG_FILE, EngineConfig, load_engine, write_json
 from precast.builder.tensorrt.lowering import check_supported, lower
 from precast.builder.tensorrt.trt_ops import TrtOps, import_tensorrt
 from precast.errors import PrecastError
@@ -58,8 +58,9 @@ def layer_precisions(config: Any, act_dtype: str) -> dict[str, str]:
     return out
 
 
-def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | None = None) -> dict[str, Any]:
-    """Build ENGINE/rank0.plan (+ report, timing cache) and record it in ENGINE/config.json.
+def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | None = None) -> tuple[dict[str, Any], EngineConfig]:
+    """Build ENGINE/rank0.plan (+ report, timing cache) and record it in ENGINE/config.json (the engine is being
+    written in its build's temporary directory); returns the report and the updated config.
     `previous`: an older build of the same engine whose timing cache seeds this one."""
     trt = import_tensorrt()
     engine = load_engine(engine_dir)
@@ -122,10 +123,9 @@ def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | 
               "layer_precision": layer_precisions(engine.config, act),
               "kv_cache": f"{act}, [{S}, {engine.config.model.num_kv_heads}, {record['cache_len']}, {engine.config.model.head_dim}] per layer"}
     write_json(engine_dir / REPORT_FILE, report)
-    data = json.loads((engine_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    data["targets"]["tensorrt"] = record
-    _atomic_write(engine_dir / CONFIG_FILE, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
-    return report
+    engine_config = replace(engine.config, targets={**engine.config.targets, "tensorrt": record})
+    write_json(engine_dir / CONFIG_FILE, engine_config.to_dict())
+    return report, engine_config
 
 
 def quiet_logger(trt: Any) -> Any:

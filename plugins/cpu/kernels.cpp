@@ -126,14 +126,11 @@ inline void accumulate(__m512 (&acc)[NR][4], const float* x, int64_t x_stride, i
   }
 }
 
-inline __mmask16 lanes(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
-
 inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias, float out_scale, float* y, int64_t y_stride) {
   const __m512 s = _mm512_set1_ps(out_scale);
   for (int v = 0; v < 4; ++v) {
-    const int n = std::min(16, valid - v * 16);
-    if (n <= 0) break;
-    const __mmask16 mask = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    if (valid <= v * 16) break;
+    const __mmask16 mask = first_lanes(valid - v * 16);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
     for (int r = 0; r < nr; ++r) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, mask, _mm512_fmadd_ps(acc[r][v], s, b));
   }
@@ -161,7 +158,7 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
     zero<NR>(acc);
   } else {
     for (int r = 0; r < NR; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_maskz_loadu_ps(lanes(valid - v * 16), y + r * y_stride + v * 16);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_maskz_loadu_ps(first_lanes(valid - v * 16), y + r * y_stride + v * 16);
   }
   for (int i = i_begin; i < i_end; ++i) {
     const int64_t off = int64_t(i) * kPanel;
@@ -181,7 +178,7 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
   }
   if (i_end < w.cols) {  // partial sums of the valid outputs (padding rows of the panel are zero)
     for (int r = 0; r < NR; ++r)
-      for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, lanes(valid - v * 16), acc[r][v]);
+      for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, first_lanes(valid - v * 16), acc[r][v]);
     return;
   }
   store_outputs(acc, NR, valid, bias, w.out_scale, y, y_stride);

@@ -16,8 +16,6 @@
 namespace precast {
 namespace {
 
-
-
 constexpr int kLanes = 16;
 constexpr int kTileRows = 12;  // query rows per tile (the GQA group x enough tokens to share each K/V load)
 constexpr int kQkRows = 6;     // query rows per QK pass: 6 rows x 2 key vectors = 12 accumulators
@@ -43,14 +41,9 @@ struct KeyChunk {
 };
 
 #ifdef PRECAST_ATTN_AVX512
-inline __mmask16 first_lanes(int n) { return n >= kLanes ? __mmask16(0xffff) : __mmask16((1u << std::max(n, 0)) - 1); }
-
 // 16 (masked) cache elements as float32; E4M3 as value / 256 (quantize.h), masked-off lanes 0.
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint8_t* p, __mmask16 m) {
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p));
-  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(short(0xBFFF))));
-}
+inline __m512 load16(const uint8_t* p, __mmask16 m) { return e4m3x16_div256(_mm_maskz_loadu_epi8(m, p)); }
 
 // scores[r][j - base] = scale * sum_d q_r[d] k_j[d] for the keys of one or two chunks.
 // q_t holds the rows' queries transposed, [head_dim][NR]: one base pointer, so the 2 x NR
@@ -184,7 +177,7 @@ void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const 
     chunks.push_back({j, block_table[j / B], col, n});
     j += n;
   }
-  scores.assign(size_t(R) * width, 0.0f);
+  scores.resize(size_t(R) * width);  // no zero fill: every entry read is written first (QK, then softmax over the width)
 #ifdef PRECAST_ATTN_AVX512
   for (int r0 = 0; r0 < R; r0 += kQkRows) {
     const int nr = std::min(kQkRows, R - r0);

@@ -48,10 +48,11 @@ inline float e4m3_div256(uint8_t bits) { return e4m3_to_float(bits) * (1.0f / 25
 #if defined(__AVX512F__)
 // 16 E4M3 bytes -> 16 floats of value / 256: sign-extend each byte to 16 bits, shift the
 // magnitude into float16 position, clear bit 14 (the sign's copy), widen.
-inline __m512 e4m3x16_div256(const uint8_t* p) {
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+inline __m512 e4m3x16_div256(__m128i bytes) {
+  const __m256i s = _mm256_cvtepi8_epi16(bytes);
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(short(0xBFFF))));
 }
+inline __m512 e4m3x16_div256(const uint8_t* p) { return e4m3x16_div256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 // out = e4m3(clip(x / scale)) * scale, element-wise (fp8 static activation quantization).

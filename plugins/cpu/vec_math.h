@@ -6,6 +6,9 @@
 
 namespace precast {
 
+// The first n of 16 lanes (none for n <= 0, all for n >= 16): masks for a vector's valid tail.
+inline __mmask16 first_lanes(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
+
 // exp for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by
 // Cephes' degree-7 polynomial, then scaled by 2^n. About 1 ulp; a glibc call per score
 // cost more than the rest of attention together.
