@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 ENGINE ?= engines/smollm2-135m-instruct
 
-.PHONY: demo test install install-test install-triton
+.PHONY: demo test check format install install-test install-triton
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,20 @@ demo: install
 	$(VENV)/bin/precast run $(ENGINE) --chat --stream --temperature 0.7 --seed 1 --max-tokens 80 --prompt "Write a haiku about the sea."
 	$(VENV)/bin/precast build --checkpoint "$$($(PY) -m precast.packaged smollm2-135m-instruct)" --output $(ENGINE)-fp8 --force --quant fp8 --dtype bfloat16
 	$(VENV)/bin/precast run $(ENGINE)-fp8 --chat --stream --prompt "What is the capital of France?"
+
+# Before every commit: lint, formatting, and the tests that need neither the torch/transformers oracles
+# nor tritonserver (`pytest --fast`, tests/conftest.py), in under two minutes.
+check: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	git ls-files 'cpp/*.cpp' 'cpp/*.h' 'plugins/*.cpp' 'plugins/*.h' | xargs $(VENV)/bin/clang-format --style=file --dry-run -Werror
+	$(PY) -m pytest -q --fast
+
+# Rewrite the tree in the project's style (ruff for Python, clang-format for C++).
+format: install-test
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	git ls-files 'cpp/*.cpp' 'cpp/*.h' 'plugins/*.cpp' 'plugins/*.h' | xargs $(VENV)/bin/clang-format --style=file -i
 
 test: install-test install-triton
 	PRECAST_TRITON_PYTHON=$(abspath $(TPY)) $(PY) -m pytest -q

@@ -51,12 +51,17 @@ def checkpoint_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.q_proj.bias": (q,),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.v_proj.bias": (kv,),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
     return shapes
@@ -66,7 +71,7 @@ def write_checkpoint(root: Path) -> int:
     """Write the synthetic checkpoint shard by shard; returns the parameter count."""
     import ml_dtypes
 
-    from precast.builder.safetensors_file import SafetensorsWriter
+    from precast.engine.safetensors_file import SafetensorsWriter
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(CONFIG, indent=2))
@@ -97,8 +102,20 @@ def write_checkpoint(root: Path) -> int:
 
 def measure_build(checkpoint: Path, output: Path, dtype: str) -> tuple[float, float]:
     """(seconds, peak RSS in bytes) of one `precast build` in a fresh child process."""
-    cmd = [sys.executable, "-m", "precast", "build", "--checkpoint", str(checkpoint), "--output", str(output),
-           "--dtype", dtype, "--force", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "precast",
+        "build",
+        "--checkpoint",
+        str(checkpoint),
+        "--output",
+        str(output),
+        "--dtype",
+        dtype,
+        "--force",
+        "--quiet",
+    ]
     # ru_maxrss of RUSAGE_CHILDREN is the largest of all waited-for children so far, so each
     # measurement runs under its own small wrapper process that reports its child's peak.
     wrapper = (
@@ -143,8 +160,10 @@ def main() -> None:
         print("| engine dtype | parameters | checkpoint | engine | build time | peak RSS | limit (2 GB + largest tensor) | peak / limit |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for dtype, p, src, eng, secs, peak, limit in rows:
-            print(f"| {dtype} | {p / 1e9:.2f}B | {src / 1e9:.2f} GB | {eng / 1e9:.2f} GB | {secs:.1f} s "
-                  f"({eng / secs / 1e6:.0f} MB/s) | {peak / 1e9:.2f} GB | {limit / 1e9:.2f} GB | {peak / limit:.2f} |")
+            print(
+                f"| {dtype} | {p / 1e9:.2f}B | {src / 1e9:.2f} GB | {eng / 1e9:.2f} GB | {secs:.1f} s "
+                f"({eng / secs / 1e6:.0f} MB/s) | {peak / 1e9:.2f} GB | {limit / 1e9:.2f} GB | {peak / limit:.2f} |"
+            )
         worst = max(r[5] / r[6] for r in rows)
         print(f"\n{'PASS' if worst < 1 else 'FAIL'}: peak RSS is {worst:.0%} of the bound at worst")
         if worst >= 1:

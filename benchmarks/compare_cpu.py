@@ -279,7 +279,7 @@ def main() -> None:
 
     from precast import _C
     from precast.builder.build import BuildOptions, build_engine
-    from precast.builder.engine import load_engine
+    from precast.engine.directory import load_engine
     from precast.packaged import packaged_model_path
     from precast.quantization.recipe import QuantOptions
     from precast.runtime.cpu_backend import default_num_threads
@@ -297,8 +297,16 @@ def main() -> None:
             recipe = variant if variant in ("fp8", "nvfp4", "int4_awq") else "none"
             dtype = variant if recipe == "none" else "bfloat16"
             engine = tmp_path / variant
-            build_engine(BuildOptions(gguf, engine, dtype=dtype, max_seq_len=2048, progress=False,
-                                      quant=QuantOptions(recipe=recipe, quantize_lm_head=recipe != "none")))
+            build_engine(
+                BuildOptions(
+                    gguf,
+                    engine,
+                    dtype=dtype,
+                    max_seq_len=2048,
+                    progress=False,
+                    quant=QuantOptions(recipe=recipe, quantize_lm_head=recipe != "none"),
+                )
+            )
             if not chat_ids:
                 tok = Tokenizer(load_engine(engine))
                 chat_ids = tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
@@ -322,18 +330,26 @@ def main() -> None:
             for label, path in llamacpp_files(gguf, tmp_path).items():
                 results.append(bench_llamacpp(label, path, threads, args.repeats, chat_ids))
 
-    print(f"\nSmolLM2-135M-Instruct, {threads} threads, median of {args.repeats} (min..max). Memory bandwidth "
-          f"(all threads): read {bandwidth['read'] / 1e9:.1f} GB/s, copy {bandwidth['copy'] / 1e9:.1f}, "
-          f"triad {bandwidth['triad'] / 1e9:.1f}\n")
-    print("| engine | family | weights MiB | batch-1 decode tok/s | of read-bandwidth limit | prefill tok/s (512) | TTFT ms | 32-way tok/s |")
+    print(
+        f"\nSmolLM2-135M-Instruct, {threads} threads, median of {args.repeats} (min..max). Memory bandwidth "
+        f"(all threads): read {bandwidth['read'] / 1e9:.1f} GB/s, copy {bandwidth['copy'] / 1e9:.1f}, "
+        f"triad {bandwidth['triad'] / 1e9:.1f}\n"
+    )
+    print(
+        "| engine | family | weights MiB | batch-1 decode tok/s | of read-bandwidth limit | prefill tok/s (512) | TTFT ms | 32-way tok/s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         limit = bandwidth["read"] / r.weight_bytes
-        print(f"| {r.engine} | {r.family} | {r.weight_bytes / 2**20:.0f} | {cell(r.decode)} | {med(r.decode) / limit:.0%} "
-              f"(limit {limit:.0f}) | {cell(r.prefill)} | {cell(r.ttft_ms)} | {cell(r.batch)} |")
+        print(
+            f"| {r.engine} | {r.family} | {r.weight_bytes / 2**20:.0f} | {cell(r.decode)} | {med(r.decode) / limit:.0%} "
+            f"(limit {limit:.0f}) | {cell(r.prefill)} | {cell(r.ttft_ms)} | {cell(r.batch)} |"
+        )
     if ab:
-        print(f"\nfloat32 prefill, precast and HF measured alternately ({len(ab[0])} rounds): precast {cell(ab[0])}, "
-              f"transformers {cell(ab[1])} tok/s\n")
+        print(
+            f"\nfloat32 prefill, precast and HF measured alternately ({len(ab[0])} rounds): precast {cell(ab[0])}, "
+            f"transformers {cell(ab[1])} tok/s\n"
+        )
     print_targets(results, bandwidth["read"], ab)
 
 
@@ -356,15 +372,24 @@ def print_targets(results: list[Result], read_bandwidth: float, ab: tuple[list[f
     best_precast_batch = max((r for r in results if r.family == "precast"), key=lambda r: med(r.batch), default=None)
     target("32-way (best precast) vs HF best batch-1 decode", best_precast_batch, hf_best, "batch", 10.0)
     if best_precast_batch and hf_best:  # the ratio above compares batch throughput with HF's decode rate
-        rows[-1] = (rows[-1][0], f"{med(best_precast_batch.batch) / med(hf_best.decode):.2f}x", ">= 10x",
-                    "met" if med(best_precast_batch.batch) >= 10 * med(hf_best.decode) else "NOT met")
+        rows[-1] = (
+            rows[-1][0],
+            f"{med(best_precast_batch.batch) / med(hf_best.decode):.2f}x",
+            ">= 10x",
+            "met" if med(best_precast_batch.batch) >= 10 * med(hf_best.decode) else "NOT met",
+        )
     ll_best = max((r for r in results if r.family == "llama.cpp"), key=lambda r: med(r.batch), default=None)
     target("32-way (best precast) vs llama.cpp's best 32-way", best_precast_batch, ll_best, "batch", 1.0)
     if ab:  # the A/B decides: measured alternately, it is the ratio a drifting machine does not skew
         ratio = med(ab[0]) / med(ab[1])
         rows.append(("prefill float32 vs HF float32 (alternating A/B)", f"{ratio:.2f}x", ">= 1.0x", "met" if ratio >= 1.0 else "NOT met"))
-    target("prefill float32 vs HF float32 (the sequential rows above)" if ab else "prefill float32 vs HF float32",
-           get("precast", "float32"), get("transformers", "float32"), "prefill", 1.0)
+    target(
+        "prefill float32 vs HF float32 (the sequential rows above)" if ab else "prefill float32 vs HF float32",
+        get("precast", "float32"),
+        get("transformers", "float32"),
+        "prefill",
+        1.0,
+    )
     if ab:
         rows[-1] = (*rows[-1][:3], "(for reference)")
     for name in ("float32", "bfloat16", "fp8", "nvfp4", "int4_awq"):
@@ -372,8 +397,14 @@ def print_targets(results: list[Result], read_bandwidth: float, ab: tuple[list[f
         if r is not None:
             fraction = med(r.decode) * r.weight_bytes / read_bandwidth
             want = 0.7 if name in ("float32", "bfloat16", "fp8") else None
-            rows.append((f"{name} decode, share of the read-bandwidth limit", f"{fraction:.0%}", f">= {want:.0%}" if want else "reported",
-                         ("met" if fraction >= want else "NOT met") if want else ""))
+            rows.append(
+                (
+                    f"{name} decode, share of the read-bandwidth limit",
+                    f"{fraction:.0%}",
+                    f">= {want:.0%}" if want else "reported",
+                    ("met" if fraction >= want else "NOT met") if want else "",
+                )
+            )
     print("\n| target | measured | wanted | |\n| --- | --- | --- | --- |")
     for row in rows:
         print("| " + " | ".join(row) + " |")

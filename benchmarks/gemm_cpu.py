@@ -49,8 +49,10 @@ def main() -> None:
             theirs.append(3 * flops / (time.perf_counter() - t0) / 1e9)
         ours, theirs = ours[1:], theirs[1:]
         m, t = statistics.median(ours), statistics.median(theirs)
-        print(f"| {name} | {out} x {cols} | {m:.0f} ({min(ours):.0f}..{max(ours):.0f}) | {t:.0f} ({min(theirs):.0f}..{max(theirs):.0f}) "
-              f"| {m / t:.2f}x |")
+        print(
+            f"| {name} | {out} x {cols} | {m:.0f} ({min(ours):.0f}..{max(ours):.0f}) | {t:.0f} ({min(theirs):.0f}..{max(theirs):.0f}) "
+            f"| {m / t:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -41,10 +41,19 @@ def bench_hf(model, threads: int, repeats: int, prompt_ids: list[int], batch: bo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--quant", nargs="*", default=[], choices=["fp8", "nvfp4", "int4_awq"],
-                        help="also quantized engines (precast only: HF has no such formats on CPU)")
-    parser.add_argument("--quant-dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                        help="dtype of what a recipe leaves unquantized (embeddings, LM head, norms); default bfloat16")
+    parser.add_argument(
+        "--quant",
+        nargs="*",
+        default=[],
+        choices=["fp8", "nvfp4", "int4_awq"],
+        help="also quantized engines (precast only: HF has no such formats on CPU)",
+    )
+    parser.add_argument(
+        "--quant-dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="dtype of what a recipe leaves unquantized (embeddings, LM head, norms); default bfloat16",
+    )
     parser.add_argument("--quantize-lm-head", action="store_true", help="quantize the (tied) LM head too")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
@@ -55,7 +64,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from precast.builder.build import BuildOptions, build_engine
-    from precast.builder.engine import load_engine
+    from precast.engine.directory import load_engine
     from precast.packaged import packaged_model_path
     from precast.quantization.recipe import QuantOptions
     from precast.runtime.cpu_backend import default_num_threads
@@ -76,7 +85,9 @@ def main() -> None:
             quant = QuantOptions(recipe=recipe, quantize_lm_head=args.quantize_lm_head and recipe != "none")
             build_engine(BuildOptions(gguf, engine, dtype=dtype, max_seq_len=2048, progress=False, quant=quant))
             tok = Tokenizer(load_engine(engine))
-            prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}]), add_special_tokens=False)
+            prompt = tok.encode(
+                tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}]), add_special_tokens=False
+            )
             ours = bench_precast(engine, threads, args.repeats, prompt)
             theirs: dict[str, list[float]] = {"decode": [], "prefill": [], "batch": []}
             if recipe == "none":
@@ -86,7 +97,11 @@ def main() -> None:
             weight_bytes = (engine / "weights.safetensors").stat().st_size
             limit = bandwidth / weight_bytes  # tokens/s if every step streamed all weights at copy speed
             name = dtype if recipe == "none" else f"{recipe} (rest {dtype}{', head quantized' if quant.quantize_lm_head else ''})"
-            for key, label in (("decode", "batch-1 decode tok/s"), ("prefill", f"prefill tok/s ({PREFILL_TOKENS} tokens)"), ("batch", f"{BATCH}-way output tok/s ({BATCH_IN} in / {BATCH_OUT} out)")):
+            for key, label in (
+                ("decode", "batch-1 decode tok/s"),
+                ("prefill", f"prefill tok/s ({PREFILL_TOKENS} tokens)"),
+                ("batch", f"{BATCH}-way output tok/s ({BATCH_IN} in / {BATCH_OUT} out)"),
+            ):
                 p, p_spread = median_spread(ours[key])
                 if theirs[key]:
                     h, h_spread = median_spread(theirs[key])
@@ -100,8 +115,10 @@ def main() -> None:
                 if key == "decode":
                     extra = f"{weight_bytes / 2**20:.0f} MiB of weights; bandwidth limit {limit:.0f} tok/s: precast at {p / limit:.0%}"
                 rows.append((name, label, f"{p:.1f} ({p_spread})", hf_cell, ratio, extra))
-    print(f"\nSmolLM2-135M-Instruct, {threads} threads, median of {args.repeats} (min..max); "
-          f"memory copy bandwidth {bandwidth / 1e9:.1f} GB/s\n")
+    print(
+        f"\nSmolLM2-135M-Instruct, {threads} threads, median of {args.repeats} (min..max); "
+        f"memory copy bandwidth {bandwidth / 1e9:.1f} GB/s\n"
+    )
     print("| engine | measure | precast | HF transformers (same dtype) | precast / HF | note |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:

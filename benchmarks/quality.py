@@ -31,7 +31,7 @@ gguf, out, recipe, kv = sys.argv[1:5]
 r = build_engine(BuildOptions(Path(gguf), Path(out), max_seq_len=2048, progress=False,
                               quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv)))
 print(json.dumps({"seconds": r.seconds, "peak_rss_mb": peak_rss_mb(),
-                  "calibration": r.config.quant.get("calibration", {})}))
+                  "calibration": r.config.quant.calibration or {}}))
 """
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from precast.builder.build import BuildOptions, build_engine
-    from precast.builder.engine import load_engine
+    from precast.engine.directory import load_engine
     from precast.packaged import packaged_model_path
     from precast.quantization.quality import compare, heldout_windows
 
@@ -68,17 +68,44 @@ def main() -> None:
             built = build(gguf, out, recipe, kv)
             ours, ref = compare(out, reference, windows)
             size = (out / "weights.safetensors").stat().st_size
-            rows.append((recipe, kv, f"{ours.perplexity:.3f}", f"{ours.perplexity / ref.perplexity:.4f}", f"{ours.mean_kl:.4f}",
-                         f"{ours.top1_agreement:.3f}", f"{size / 2**20:.1f}", f"{built['seconds']:.1f}",
-                         f"{built['calibration'].get('seconds', 0):.1f}", f"{built['peak_rss_mb']}"))
+            rows.append(
+                (
+                    recipe,
+                    kv,
+                    f"{ours.perplexity:.3f}",
+                    f"{ours.perplexity / ref.perplexity:.4f}",
+                    f"{ours.mean_kl:.4f}",
+                    f"{ours.top1_agreement:.3f}",
+                    f"{size / 2**20:.1f}",
+                    f"{built['seconds']:.1f}",
+                    f"{built['calibration'].get('seconds', 0):.1f}",
+                    f"{built['peak_rss_mb']}",
+                )
+            )
             if args.weights_only and recipe in ("fp8", "nvfp4") and kv == "auto":
                 w, _ = compare(out, reference, windows, quantize_activations=False)
-                rows.append((f"{recipe} weights only (diagnostic)", kv, f"{w.perplexity:.3f}", f"{w.perplexity / ref.perplexity:.4f}",
-                             f"{w.mean_kl:.4f}", f"{w.top1_agreement:.3f}", "", "", "", ""))
-        print(f"\nSmolLM2-135M-Instruct, held-out text {windows and len(windows)} x 512 tokens "
-              f"({sum(len(w) - 1 for w in windows)} predictions); float32 perplexity {ref.perplexity:.3f}, "
-              f"{ref_size / 2**20:.1f} MiB\n")
-        print("| recipe | KV cache | perplexity | vs float32 | mean KL (nats) | top-1 agreement | weights MiB | build s | calibration s | build peak RSS MB |")
+                rows.append(
+                    (
+                        f"{recipe} weights only (diagnostic)",
+                        kv,
+                        f"{w.perplexity:.3f}",
+                        f"{w.perplexity / ref.perplexity:.4f}",
+                        f"{w.mean_kl:.4f}",
+                        f"{w.top1_agreement:.3f}",
+                        "",
+                        "",
+                        "",
+                        "",
+                    )
+                )
+        print(
+            f"\nSmolLM2-135M-Instruct, held-out text {windows and len(windows)} x 512 tokens "
+            f"({sum(len(w) - 1 for w in windows)} predictions); float32 perplexity {ref.perplexity:.3f}, "
+            f"{ref_size / 2**20:.1f} MiB\n"
+        )
+        print(
+            "| recipe | KV cache | perplexity | vs float32 | mean KL (nats) | top-1 agreement | weights MiB | build s | calibration s | build peak RSS MB |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print("| " + " | ".join(r) + " |")

@@ -1,5 +1,5 @@
 """precast.builder: checkpoints in, engine directories out."""
 
-from precast.builder.spec import ModelSpec, RopeScaling
+from precast.engine.spec import ModelSpec, RopeScaling
 
 __all__ = ["ModelSpec", "RopeScaling"]

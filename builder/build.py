@@ -21,9 +21,12 @@ import numpy as np
 from tqdm import tqdm
 
 import precast
+from precast.builder import prequantized
 from precast.builder.architectures import find_architecture
 from precast.builder.checkpoint import Checkpoint, open_checkpoint
-from precast.builder.engine import (
+from precast.builder.tensorrt.plan import build_plan
+from precast.builder.weights import PlannedTensor, plan_weights
+from precast.engine.directory import (
     ENGINE_DTYPES,
     TARGETS,
     WEIGHTS_FILE,
@@ -34,12 +37,15 @@ from precast.builder.engine import (
     numpy_dtype,
     write_json,
 )
-from precast.builder.limits import resolve_limits
-from precast.builder.safetensors_file import DTYPES, SafetensorsWriter
-from precast.builder.weights import PlannedTensor, plan_weights
+from precast.engine.limits import resolve_limits
+from precast.engine.quant import Int4Layer, QuantSection
+from precast.engine.safetensors_file import DTYPES, SafetensorsWriter
 from precast.errors import PrecastError
-from precast.quantization import prequantized
+from precast.quantization import quantize
+from precast.quantization.calibration import calibrate, calibration_sequences
 from precast.quantization.recipe import QuantOptions, plan_layers
+from precast.runtime.tensorrt.lowering import FP8_KV_REFUSAL
+from precast.runtime.tensorrt.trt_ops import import_tensorrt
 
 
 @dataclass(frozen=True)
@@ -85,12 +91,8 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         raise PrecastError(f"{opts.output} already exists; choose another --output or pass --force to replace it")
     opts.quant.check()
     if "tensorrt" in opts.targets:  # fail before minutes of work when no TensorRT builder is installed
-        from precast.builder.tensorrt.trt_ops import import_tensorrt
-
         import_tensorrt()
         if opts.quant.kv_cache_dtype == "fp8":
-            from precast.builder.tensorrt.lowering import FP8_KV_REFUSAL
-
             raise PrecastError(FP8_KV_REFUSAL)
     if opts.quant.active:
         return _build_quantized(opts, start)
@@ -99,12 +101,16 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     arch = find_architecture(checkpoint.config)
     spec = arch.to_spec(checkpoint.config)
     limits = resolve_limits(spec, opts.max_batch_size, opts.max_seq_len, opts.max_num_tokens, opts.tokens_per_block)
-    quant: dict = {"recipe": "none"}
-    if checkpoint.prequantized:  # FP8 from modelopt: its scales, no recalibration (quantization/prequantized.py)
+    quant = QuantSection()
+    if checkpoint.prequantized:  # FP8 from modelopt: its scales, no recalibration (builder/prequantized.py)
         plan = plan_weights(spec, arch, checkpoint, also_used=prequantized.scale_tensors(checkpoint))
         layers = prequantized.quantized_layers(checkpoint, plan)
-        quant = {"recipe": "fp8", "lm_head": "lm_head" in layers or "embed" in layers, "exclude": [], "layers": layers,
-                 "source": f"{checkpoint.prequantized['method']} {checkpoint.prequantized['algo']} export, not recalibrated"}
+        quant = QuantSection(
+            recipe="fp8",
+            lm_head="lm_head" in layers or "embed" in layers,
+            layers=layers,
+            source=f"{checkpoint.prequantized['method']} {checkpoint.prequantized['algo']} export, not recalibrated",
+        )
     else:
         plan = plan_weights(spec, arch, checkpoint)
     dtype = opts.dtype or default_dtype(checkpoint)
@@ -139,14 +145,16 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     total_bytes = sum(math.prod(shape) * np.dtype(dt).itemsize for _, dt, shape in layout)
 
     with atomic_directory(opts.output, opts.force) as tmp:
-        with open(tmp / WEIGHTS_FILE, "wb") as f, tqdm(
-            total=total_bytes, unit="B", unit_scale=True, desc="precast build", disable=not opts.progress
-        ) as bar:
+        with (
+            open(tmp / WEIGHTS_FILE, "wb") as f,
+            tqdm(total=total_bytes, unit="B", unit_scale=True, desc="precast build", disable=not opts.progress) as bar,
+        ):
             writer = SafetensorsWriter(f, layout, metadata={"format": "precast"})
+            fused = {}  # pre-quantized layers' records, completed with their scales as they are read
             for tensor, (_, target, _) in zip(plan, layout):
                 layer = tensor.name[: -len(".weight")]
-                if layer in quant.get("layers", {}):
-                    array = prequantized.fuse_fp8(checkpoint, tensor, quant["layers"][layer])
+                if layer in quant.layers:
+                    array, fused[layer] = prequantized.fuse_fp8(checkpoint, tensor)
                 else:
                     array = _convert(_read_fused(checkpoint, tensor), target, tensor.name)
                 writer.write(tensor.name, array)
@@ -155,6 +163,8 @@ def build_engine(opts: BuildOptions) -> BuildResult:
         if tokenizer is not None:
             for name, content in tokenizer.files.items():
                 (tmp / name).write_bytes(content)
+        if fused:
+            config = replace(config, quant=replace(quant, layers=fused))
         write_json(tmp / "config.json", config.to_dict())
         config = _build_other_targets(tmp, opts) or config
         fsync_tree(tmp)
@@ -165,19 +175,16 @@ def _build_other_targets(tmp: Path, opts: BuildOptions) -> EngineConfig | None:
     """The TensorRT plan, built into the engine's temporary directory (so the engine appears whole or not at all)."""
     if "tensorrt" not in opts.targets:
         return None
-    from precast.builder.tensorrt.plan import build_plan
-
     report, config = build_plan(tmp, previous=opts.output if opts.output.is_dir() else None)
     if opts.progress:
-        print(f"tensorrt plan: {report['builder']} {report['builder_version']}, {report['plan_bytes'] / 2**20:.1f} MiB "
-              f"in {report['build_seconds']} s, targets {report['compute_capabilities']}")
+        print(
+            f"tensorrt plan: {report['builder']} {report['builder_version']}, {report['plan_bytes'] / 2**20:.1f} MiB "
+            f"in {report['build_seconds']} s, targets {report['compute_capabilities']}"
+        )
     return config
 
 
 def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
-    from precast.quantization import quantize
-    from precast.quantization.calibration import calibrate, calibration_sequences
-
     q = opts.quant
     checkpoint = open_checkpoint(opts.checkpoint)
     if checkpoint.prequantized:
@@ -187,8 +194,8 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
         )
     spec = find_architecture(checkpoint.config).to_spec(checkpoint.config)
     plan = plan_layers(spec, q)  # shape problems are reported before any work
-    needs_activations = any(p.format in ("fp8", "nvfp4") for p in plan.values())
-    needs_awq = any(p.format == "int4" for p in plan.values())
+    needs_activations = any(p.quantizes_inputs for p in plan.values())
+    needs_awq = any(isinstance(p, Int4Layer) for p in plan.values())
     sequences, source = None, ""
     if needs_activations or needs_awq or q.kv_cache_dtype == "fp8":  # read the text before building anything
         if q.calib_tokens is not None:
@@ -209,15 +216,15 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
         section = quantize.quant_section(q, plan)
         if q.kv_cache_dtype == "fp8":
             assert calib is not None
-            section["kv_cache"] = quantize.kv_cache_scales(calib, spec.num_layers)
+            section = replace(section, kv_cache=quantize.kv_cache_scales(calib, spec.num_layers))
         config = replace(engine.config, quant=section, limits=replace(engine.config.limits, kv_cache_dtype=q.kv_cache_dtype))
         scales = quantize.awq_scales(engine, plan, calib, opts.progress) if needs_awq and calib else {}
         with atomic_directory(opts.output, opts.force) as tmp:
-            total = quantize.write_quantized_weights(engine, tmp, section, config.expected_tensors(), plan, calib, scales, opts.progress)
+            total, records = quantize.write_quantized_weights(engine, tmp, config.expected_tensors(), plan, calib, scales, opts.progress)
             for name in (config.tokenizer or {}).get("files", []):
                 (tmp / name).write_bytes((engine.path / name).read_bytes())
-            if calib is not None:
-                section["calibration"] = calib.report
+            section = replace(section, layers=records, calibration=calib.report if calib is not None else None)
+            config = replace(config, quant=section)
             write_json(tmp / "config.json", config.to_dict())
             config = _build_other_targets(tmp, opts) or config
             fsync_tree(tmp)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from precast.builder.engine import Engine
+from precast.engine.directory import Engine
 
 _READABLE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3", "U8": "uint8"}
 
@@ -32,11 +32,13 @@ def engine_summary(engine: Engine) -> dict[str, object]:
         "bytes_by_dtype": dict(by_dtype),
         "model": spec.to_dict(),
         "dtype": cfg.dtype,
-        "quant": cfg.quant,
+        "quant": cfg.quant.to_dict(),
         "limits": cfg.limits.to_dict(),
         "targets": sorted(cfg.targets),
         "tensorrt": cfg.targets.get("tensorrt") or None,
-        "tokenizer": None if cfg.tokenizer is None else {k: v for k, v in cfg.tokenizer.items() if k != "chat_template"}
+        "tokenizer": None
+        if cfg.tokenizer is None
+        else {k: v for k, v in cfg.tokenizer.items() if k != "chat_template"}
         | {"chat_template": cfg.tokenizer.get("chat_template") is not None},
         "provenance": cfg.provenance,
     }
@@ -47,8 +49,12 @@ def _quant_line(quant: dict, limits: dict) -> str:
     if quant["recipe"] == "none":
         return f"none, {kv}"
     formats = Counter(entry["format"] for entry in quant.get("layers", {}).values())
-    parts = [quant["recipe"], ", ".join(f"{n} layers {f}" for f, n in sorted(formats.items())),
-             f"LM head {'quantized' if quant.get('lm_head') else 'not quantized'}", kv]
+    parts = [
+        quant["recipe"],
+        ", ".join(f"{n} layers {f}" for f, n in sorted(formats.items())),
+        f"LM head {'quantized' if quant.get('lm_head') else 'not quantized'}",
+        kv,
+    ]
     if quant.get("exclude"):
         parts.append(f"excluded {', '.join(quant['exclude'])}")
     calib = quant.get("calibration")
@@ -74,8 +80,7 @@ def format_summary(s: dict[str, object]) -> str:
         f"tied embedding {m['tie_word_embeddings']}",
         f"dtype          {s['dtype']} (layers not quantized)",
         f"quant          {_quant_line(s['quant'], s['limits'])}",  # type: ignore[arg-type]
-        "weights        "
-        + ", ".join(f"{dt}: {_size(b)}" for dt, b in sorted(s["bytes_by_dtype"].items())),  # type: ignore[union-attr]
+        "weights        " + ", ".join(f"{dt}: {_size(b)}" for dt, b in sorted(s["bytes_by_dtype"].items())),  # type: ignore[union-attr]
         "limits         " + ", ".join(f"{k} {v}" for k, v in s["limits"].items()),  # type: ignore[union-attr]
         f"targets        {', '.join(s['targets'])}",  # type: ignore[arg-type]
     ]

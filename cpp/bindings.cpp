@@ -7,9 +7,9 @@
 #include <optional>
 
 #include "check.h"
-#include "cpu_features.h"
 #include "cpu/memory_bandwidth.h"
 #include "cpu/quantize.h"
+#include "cpu_features.h"
 #include "cpu_runner.h"
 #include "executor.h"
 #include "kv_cache_manager.h"
@@ -73,13 +73,16 @@ PYBIND11_MODULE(_C, m) {
       },
       "Instruction sets this CPU and OS support, as detected by cpuid/xgetbv.");
   m.def("best_isa", &best_isa, "The widest instruction set this host supports: 'avx512', 'avx2' or 'scalar'.");
-  m.def("compiled_isa", [] {
+  m.def(
+      "compiled_isa",
+      [] {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    return std::string("avx512");
+        return std::string("avx512");
 #else
-    return std::string("scalar");
+        return std::string("scalar");
 #endif
-  }, "The instruction set precast's CPU kernels were compiled for.");
+      },
+      "The instruction set precast's CPU kernels were compiled for.");
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())
@@ -238,7 +241,8 @@ PYBIND11_MODULE(_C, m) {
              // Strides must be C-contiguous: the bytes are copied as they lie.
              py::ssize_t expect = info.itemsize;
              for (int d = int(info.ndim) - 1; d >= 0; --d) {
-               if (info.shape[d] > 1 && info.strides[d] != expect) throw std::invalid_argument(name + ": weight must be C-contiguous");
+               if (info.shape[d] > 1 && info.strides[d] != expect)
+                 throw std::invalid_argument(name + ": weight must be C-contiguous");
                expect *= info.shape[d];
              }
              r.set_weight(name, info.ptr, size_t(info.size) * size_t(info.itemsize));
@@ -246,19 +250,20 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "set_quantized_weight",
           [](CpuRunner& r, const std::string& name, WeightDtype dtype, int rows, int cols,
-             py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size, float scale,
-             ActQuant act, float act_scale) {
+             py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
+             float scale, ActQuant act, float act_scale) {
             WeightView w{dtype, rows, cols, values.data(), nullptr, group_size, scale};
             size_t scales_bytes = 0;
             if (group_scales) {
-              if (!(group_scales->flags() & py::array::c_style)) throw std::invalid_argument(name + ": scales must be C-contiguous");
+              if (!(group_scales->flags() & py::array::c_style))
+                throw std::invalid_argument(name + ": scales must be C-contiguous");
               w.group_scales = group_scales->data();
               scales_bytes = size_t(group_scales->nbytes());
             }
             r.set_quantized_weight(name, w, size_t(values.nbytes()), scales_bytes, act, act_scale);
           },
-          py::arg("name"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"), py::arg("group_scales"),
-          py::arg("group_size"), py::arg("scale"), py::arg("act"), py::arg("act_scale"),
+          py::arg("name"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"),
+          py::arg("group_scales"), py::arg("group_size"), py::arg("scale"), py::arg("act"), py::arg("act_scale"),
           "A quantized matrix in the engine's stored layout (kernels.h, WeightView) and its input quantization.")
       .def("finalize", &CpuRunner::finalize)
       .def(
@@ -274,7 +279,8 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tokens"), py::arg("logits") = true,
           "Run one token sequence from position 0 (not while an executor uses this runner); logits [tokens, vocab].")
-      .def("start_calibration", &CpuRunner::start_calibration, py::arg("max_sample_rows") = 0, py::arg("sample_every") = 1)
+      .def("start_calibration", &CpuRunner::start_calibration, py::arg("max_sample_rows") = 0,
+           py::arg("sample_every") = 1)
       .def("calibration_stats", [](const CpuRunner& r) {
         py::dict out;
         for (const auto& [name, s] : r.calibration()) {
@@ -284,7 +290,8 @@ PYBIND11_MODULE(_C, m) {
           std::vector<float> mean(s.abs_sum.size());
           for (size_t i = 0; i < mean.size(); ++i) mean[i] = s.rows ? float(s.abs_sum[i] / double(s.rows)) : 0.0f;
           d["mean_abs"] = to_numpy(mean);
-          d["samples"] = to_numpy(s.samples).reshape({py::ssize_t(s.samples.size() / std::max(1, s.cols)), py::ssize_t(s.cols)});
+          d["samples"] =
+              to_numpy(s.samples).reshape({py::ssize_t(s.samples.size() / std::max(1, s.cols)), py::ssize_t(s.cols)});
           out[py::str(name)] = d;
         }
         return out;
@@ -293,71 +300,97 @@ PYBIND11_MODULE(_C, m) {
   m.def("memory_bandwidth", &memory_bandwidth, py::arg("kind"), py::arg("bytes_per_array") = int64_t(256) << 20,
         py::arg("num_threads") = 1, py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),
         "Best bytes/s of a STREAM-like 'read', 'copy' or 'triad' pass (benchmarks: the decode speed limit).");
-  m.def("round_to_e4m3", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
-    std::vector<float> out(x.size());
-    for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = round_to_e4m3(x.data()[i]);
-    return to_numpy(out);
-  }, "Nearest E4M3 values (for tests).");
-  m.def("round_to_e2m1", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
-    std::vector<float> out(x.size());
-    for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = round_to_e2m1(x.data()[i]);
-    return to_numpy(out);
-  }, "Nearest E2M1 values (for tests).");
-  m.def("e4m3_bits", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
-    std::vector<uint8_t> out(x.size());
-    for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = e4m3_bits(round_to_e4m3(x.data()[i]));
-    return py::array_t<uint8_t>(py::ssize_t(out.size()), out.data());
-  }, "E4M3 encodings of the nearest E4M3 values (for tests).");
-  m.def("fake_quant_fp8", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float scale) {
-    py::array_t<float> out(x.request().shape);
-    fake_quant_fp8(x.data(), x.size(), scale, out.mutable_data());
-    return out;
-  }, "fp8 static activation quantization, returned dequantized (for tests).");
-  m.def("fake_quant_nvfp4", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float global_scale) {
-    if (x.ndim() != 2 || x.shape(1) % kNvfp4Block) throw std::invalid_argument("x must be [rows, cols], cols a multiple of 16");
-    py::array_t<float> out(x.request().shape);
-    fake_quant_nvfp4(x.data(), int(x.shape(0)), int(x.shape(1)), global_scale, out.mutable_data());
-    return out;
-  }, "nvfp4 dynamic activation quantization, returned dequantized (for tests).");
-  m.def("linear", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, WeightDtype dtype, int rows, int cols,
-                     py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
-                     float scale, int num_threads, int repeats) {
-    WeightView w{dtype, rows, cols, values.data(), group_scales ? group_scales->data() : nullptr, group_size, scale};
-    if (values.nbytes() != py::ssize_t(weight_values_bytes(dtype, rows, cols))) throw std::invalid_argument("wrong number of value bytes");
-    if (is_4bit(dtype)) {
-      const py::ssize_t elem = dtype == WeightDtype::kNVFP4 ? 1 : 4;
-      if (group_size <= 0 || cols % group_size || !group_scales || group_scales->nbytes() != py::ssize_t(rows) * (cols / group_size) * elem)
-        throw std::invalid_argument("4-bit weights need group scales [rows, cols / group_size]");
-    }
-    if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("x must be [n, cols]");
-    PackedMatrix m = PackedMatrix::pack(w);
-    ThreadPool pool(num_threads);
-    py::array_t<float> y({x.shape(0), py::ssize_t(rows)});
-    const int n = int(x.shape(0));
-    const float* xd = x.data();
-    float* yd = y.mutable_data();
-    py::gil_scoped_release release;
-    if (repeats >= 0) {
-      linear(pool, xd, n, m, nullptr, yd);
-      py::gil_scoped_acquire acquire;
-      return py::object(y);
-    }
-    // repeats = -N (benchmarks): one warm-up call (the pool's threads start cold), then the mean seconds of N calls.
-    linear(pool, xd, n, m, nullptr, yd);
-    const auto start = std::chrono::steady_clock::now();
-    for (int r = 0; r < -repeats; ++r) linear(pool, xd, n, m, nullptr, yd);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / -repeats;
-    py::gil_scoped_acquire acquire;
-    return py::object(py::make_tuple(y, seconds));
-  }, py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"), py::arg("group_scales") = py::none(),
-     py::arg("group_size") = 0, py::arg("scale") = 1.0f, py::arg("num_threads") = 1, py::arg("repeats") = 1,
-     "y = x @ W.T for a weight in the engine's stored layout (kernel tests); repeats=-N returns (y, mean seconds of N "
-     "multiplies after a warm-up, packing excluded), for benchmarks/gemm_cpu.py.");
+  m.def(
+      "round_to_e4m3",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+        std::vector<float> out(x.size());
+        for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = round_to_e4m3(x.data()[i]);
+        return to_numpy(out);
+      },
+      "Nearest E4M3 values (for tests).");
+  m.def(
+      "round_to_e2m1",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+        std::vector<float> out(x.size());
+        for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = round_to_e2m1(x.data()[i]);
+        return to_numpy(out);
+      },
+      "Nearest E2M1 values (for tests).");
+  m.def(
+      "e4m3_bits",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+        std::vector<uint8_t> out(x.size());
+        for (py::ssize_t i = 0; i < x.size(); ++i) out[i] = e4m3_bits(round_to_e4m3(x.data()[i]));
+        return py::array_t<uint8_t>(py::ssize_t(out.size()), out.data());
+      },
+      "E4M3 encodings of the nearest E4M3 values (for tests).");
+  m.def(
+      "fake_quant_fp8",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float scale) {
+        py::array_t<float> out(x.request().shape);
+        fake_quant_fp8(x.data(), x.size(), scale, out.mutable_data());
+        return out;
+      },
+      "fp8 static activation quantization, returned dequantized (for tests).");
+  m.def(
+      "fake_quant_nvfp4",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float global_scale) {
+        if (x.ndim() != 2 || x.shape(1) % kNvfp4Block)
+          throw std::invalid_argument("x must be [rows, cols], cols a multiple of 16");
+        py::array_t<float> out(x.request().shape);
+        fake_quant_nvfp4(x.data(), int(x.shape(0)), int(x.shape(1)), global_scale, out.mutable_data());
+        return out;
+      },
+      "nvfp4 dynamic activation quantization, returned dequantized (for tests).");
+  m.def(
+      "linear",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> x, WeightDtype dtype, int rows, int cols,
+         py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
+         float scale, int num_threads, int repeats) {
+        WeightView w{dtype,      rows, cols, values.data(), group_scales ? group_scales->data() : nullptr,
+                     group_size, scale};
+        if (values.nbytes() != py::ssize_t(weight_values_bytes(dtype, rows, cols)))
+          throw std::invalid_argument("wrong number of value bytes");
+        if (is_4bit(dtype)) {
+          const py::ssize_t elem = dtype == WeightDtype::kNVFP4 ? 1 : 4;
+          if (group_size <= 0 || cols % group_size || !group_scales ||
+              group_scales->nbytes() != py::ssize_t(rows) * (cols / group_size) * elem)
+            throw std::invalid_argument("4-bit weights need group scales [rows, cols / group_size]");
+        }
+        if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("x must be [n, cols]");
+        PackedMatrix m = PackedMatrix::pack(w);
+        ThreadPool pool(num_threads);
+        py::array_t<float> y({x.shape(0), py::ssize_t(rows)});
+        const int n = int(x.shape(0));
+        const float* xd = x.data();
+        float* yd = y.mutable_data();
+        py::gil_scoped_release release;
+        if (repeats >= 0) {
+          linear(pool, xd, n, m, nullptr, yd);
+          py::gil_scoped_acquire acquire;
+          return py::object(y);
+        }
+        // repeats = -N (benchmarks): one warm-up call (the pool's threads start cold), then the mean seconds of N
+        // calls.
+        linear(pool, xd, n, m, nullptr, yd);
+        const auto start = std::chrono::steady_clock::now();
+        for (int r = 0; r < -repeats; ++r) linear(pool, xd, n, m, nullptr, yd);
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / -repeats;
+        py::gil_scoped_acquire acquire;
+        return py::object(py::make_tuple(y, seconds));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"),
+      py::arg("group_scales") = py::none(), py::arg("group_size") = 0, py::arg("scale") = 1.0f,
+      py::arg("num_threads") = 1, py::arg("repeats") = 1,
+      "y = x @ W.T for a weight in the engine's stored layout (kernel tests); repeats=-N returns (y, mean seconds of N "
+      "multiplies after a warm-up, packing excluded), for benchmarks/gemm_cpu.py.");
 
   py::class_<Executor, py::smart_holder>(m, "Executor")
       .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>>(), py::call_guard<py::gil_scoped_release>())
       .def("enqueue", &Executor::enqueue)
-      .def("await_responses", &Executor::await_responses, py::arg("timeout") = 0.1, py::call_guard<py::gil_scoped_release>())
+      .def("await_responses", &Executor::await_responses, py::arg("timeout") = 0.1,
+           py::call_guard<py::gil_scoped_release>())
       .def("cancel", &Executor::cancel)
       .def("stats", &Executor::stats)
       .def("shutdown", &Executor::shutdown, py::call_guard<py::gil_scoped_release>())
@@ -365,8 +398,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_kv_blocks", &Executor::num_kv_blocks);
 
   py::class_<KvCacheManager>(m, "KvCacheManager")
-      .def(py::init<int, int, bool>(), py::arg("num_blocks"), py::arg("tokens_per_block"), py::arg("prefix_reuse") = true)
+      .def(py::init<int, int, bool>(), py::arg("num_blocks"), py::arg("tokens_per_block"),
+           py::arg("prefix_reuse") = true)
       .def("match_prefix", &KvCacheManager::match_prefix)
+      .def("count_prefix_lookup", &KvCacheManager::count_prefix_lookup)
       .def("allocate", &KvCacheManager::allocate)
       .def("commit", &KvCacheManager::commit)
       .def("free", &KvCacheManager::free)
@@ -383,7 +418,8 @@ PYBIND11_MODULE(_C, m) {
          const std::vector<TokenId>& banned, uint64_t seed) {
         std::vector<float> row(logits.data(), logits.data() + logits.size());
         SamplerState state(seed);
-        SampleResult r = sample_token(row.data(), int(row.size()), params, context, num_output, bad_words, banned, state);
+        SampleResult r =
+            sample_token(row.data(), int(row.size()), params, context, num_output, bad_words, banned, state);
         std::vector<std::pair<TokenId, float>> top;
         for (const auto& t : r.top) top.emplace_back(t.token, t.logprob);
         return py::make_tuple(r.token, r.logprob, top);

@@ -15,11 +15,11 @@ class InvariantError : public std::logic_error {
 
 }  // namespace precast
 
-#define PRECAST_CHECK(cond, msg)                                                          \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      std::ostringstream precast_check_os;                                                \
+#define PRECAST_CHECK(cond, msg)                                                               \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      std::ostringstream precast_check_os;                                                     \
       precast_check_os << __FILE__ << ":" << __LINE__ << ": check failed: " #cond ": " << msg; \
-      throw ::precast::InvariantError(precast_check_os.str());                            \
-    }                                                                                     \
+      throw ::precast::InvariantError(precast_check_os.str());                                 \
+    }                                                                                          \
   } while (0)

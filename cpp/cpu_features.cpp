@@ -33,8 +33,8 @@ CpuFeatures detect() {
   f.f16c = ecx & (1u << 29);
   if (!osxsave || !avx) return f;
   const unsigned long long xcr0 = read_xcr0();
-  const bool os_ymm = (xcr0 & 0x6) == 0x6;     // SSE + AVX state
-  const bool os_zmm = (xcr0 & 0xe6) == 0xe6;   // + opmask, ZMM_Hi256, Hi16_ZMM
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;    // SSE + AVX state
+  const bool os_zmm = (xcr0 & 0xe6) == 0xe6;  // + opmask, ZMM_Hi256, Hi16_ZMM
   if (!os_ymm) {
     f.fma = f.f16c = false;
     return f;

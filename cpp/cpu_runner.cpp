@@ -44,7 +44,8 @@ void CpuRunner::set_weight(const std::string& name, const void* data, size_t nby
   const auto [rows, cols] = expected_shape(name);
   const size_t elem = rows < 0 || config_.dtype == WeightDtype::kF32 ? 4 : 2;
   const size_t want = size_t(rows < 0 ? 1 : rows) * size_t(cols) * elem;
-  if (nbytes != want) throw std::invalid_argument(name + ": got " + std::to_string(nbytes) + " bytes, expected " + std::to_string(want));
+  if (nbytes != want)
+    throw std::invalid_argument(name + ": got " + std::to_string(nbytes) + " bytes, expected " + std::to_string(want));
   if (rows < 0) {
     const float* f = static_cast<const float*>(data);
     vectors_[name].assign(f, f + cols);
@@ -53,14 +54,16 @@ void CpuRunner::set_weight(const std::string& name, const void* data, size_t nby
   }
 }
 
-void CpuRunner::set_quantized_weight(const std::string& name, const WeightView& w, size_t values_bytes, size_t scales_bytes,
-                                     ActQuant act, float act_scale) {
+void CpuRunner::set_quantized_weight(const std::string& name, const WeightView& w, size_t values_bytes,
+                                     size_t scales_bytes, ActQuant act, float act_scale) {
   PRECAST_CHECK(!finalized_, "weights are frozen after finalize()");
   const auto [rows, cols] = expected_shape(name);
   if (rows < 0 || w.rows != rows || w.cols != cols)
-    throw std::invalid_argument(name + ": shape " + std::to_string(w.rows) + "x" + std::to_string(w.cols) + " does not match the model");
+    throw std::invalid_argument(name + ": shape " + std::to_string(w.rows) + "x" + std::to_string(w.cols) +
+                                " does not match the model");
   if (w.dtype != WeightDtype::kFP8 && !is_4bit(w.dtype)) throw std::invalid_argument(name + ": not a quantized dtype");
-  if (values_bytes != weight_values_bytes(w.dtype, rows, cols)) throw std::invalid_argument(name + ": wrong number of value bytes");
+  if (values_bytes != weight_values_bytes(w.dtype, rows, cols))
+    throw std::invalid_argument(name + ": wrong number of value bytes");
   if (is_4bit(w.dtype)) {
     const int g = w.group_size;
     if (g <= 0 || g % 2 || cols % g || (w.dtype == WeightDtype::kNVFP4 && g != kNvfp4Block))
@@ -108,8 +111,8 @@ void CpuRunner::finalize() {
       l.q_norm = vector(p + "attn.q_norm.weight");
       l.k_norm = vector(p + "attn.k_norm.weight");
     }
-    l.sliding = c.sliding_window > 0 &&
-                std::find(c.sliding_window_layers.begin(), c.sliding_window_layers.end(), i) != c.sliding_window_layers.end();
+    l.sliding = c.sliding_window > 0 && std::find(c.sliding_window_layers.begin(), c.sliding_window_layers.end(), i) !=
+                                            c.sliding_window_layers.end();
     layers_.push_back(l);
   }
   finalized_ = true;
@@ -157,13 +160,16 @@ void CpuRunner::observe(const std::string& name, const float* x, int num_rows, i
   }
 }
 
-void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias, float* y) {
+void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias,
+                      float* y) {
   const int cols = l.weight.cols;
   if (calibrating_ && !name.empty()) observe(name, x, num_rows, cols, cols);
   if (l.act != ActQuant::kNone) {
     quantized_input_.resize(size_t(num_rows) * cols);
-    if (l.act == ActQuant::kFp8Static) fake_quant_fp8(x, int64_t(num_rows) * cols, l.act_scale, quantized_input_.data());
-    else fake_quant_nvfp4(x, num_rows, cols, l.act_scale, quantized_input_.data());
+    if (l.act == ActQuant::kFp8Static)
+      fake_quant_fp8(x, int64_t(num_rows) * cols, l.act_scale, quantized_input_.data());
+    else
+      fake_quant_nvfp4(x, num_rows, cols, l.act_scale, quantized_input_.data());
     x = quantized_input_.data();
   }
   linear(pool_, x, num_rows, l.weight, bias, y);
@@ -215,7 +221,9 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
     matrix_row(embed_->weight, batch.token_ids[t], x_.data() + size_t(t) * H);
   }
   const float scale = 1.0f / std::sqrt(float(D));
-  auto rows_parallel = [&](int n, auto&& fn) { pool_.parallel_for(n, [&](int64_t b, int64_t e) { fn(int(b), int(e - b)); }); };
+  auto rows_parallel = [&](int n, auto&& fn) {
+    pool_.parallel_for(n, [&](int64_t b, int64_t e) { fn(int(b), int(e - b)); });
+  };
 
   // Residual adds ride along with the next norm, split over rows like it: x += tmp, then h = norm(x).
   auto add_then_norm = [&](bool add, const float* weight) {
@@ -229,8 +237,14 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
   bool mlp_pending = false;  // tmp_ holds the previous layer's MLP output, not yet added to x_
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
-    PagedKvLayer cache{k_cache_[li].get(), v_cache_[li].get(), tokens_per_block_, c.num_kv_heads, D, c.kv_fp8,
-                       c.kv_fp8 ? c.k_scales[li] : 1.0f, c.kv_fp8 ? c.v_scales[li] : 1.0f};
+    PagedKvLayer cache{k_cache_[li].get(),
+                       v_cache_[li].get(),
+                       tokens_per_block_,
+                       c.num_kv_heads,
+                       D,
+                       c.kv_fp8,
+                       c.kv_fp8 ? c.k_scales[li] : 1.0f,
+                       c.kv_fp8 ? c.v_scales[li] : 1.0f};
     add_then_norm(mlp_pending, L.attn_norm);
     apply(*L.qkv, L.prefix + "attn.qkv", h_.data(), T, L.qkv_bias, qkv_.data());
     rows_parallel(T, [&](int r0, int n) {
@@ -250,11 +264,14 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
       observe(L.prefix + "attn.k", qkv_.data() + q_size, T, kv_size, qkv_size);
       observe(L.prefix + "attn.v", qkv_.data() + q_size + kv_size, T, kv_size, qkv_size);
     }
-    paged_attention(pool_, cache, seqs, qkv_.data(), qkv_size, c.num_heads, L.sliding ? c.sliding_window : 0, scale, attn_.data());
+    paged_attention(pool_, cache, seqs, qkv_.data(), qkv_size, c.num_heads, L.sliding ? c.sliding_window : 0, scale,
+                    attn_.data());
     apply(*L.o, L.prefix + "attn.o", attn_.data(), T, nullptr, tmp_.data());
     add_then_norm(true, L.mlp_norm);
     apply(*L.gate_up, L.prefix + "mlp.gate_up", h_.data(), T, nullptr, gate_up_.data());
-    rows_parallel(T, [&](int r, int n) { silu_and_mul(gate_up_.data() + size_t(r) * 2 * inter, n, inter, act_.data() + size_t(r) * inter); });
+    rows_parallel(T, [&](int r, int n) {
+      silu_and_mul(gate_up_.data() + size_t(r) * 2 * inter, n, inter, act_.data() + size_t(r) * inter);
+    });
     apply(*L.down, L.prefix + "mlp.down", act_.data(), T, nullptr, tmp_.data());
     mlp_pending = true;
   }

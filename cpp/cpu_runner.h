@@ -95,7 +95,7 @@ class CpuRunner : public ModelRunner {
   };
   struct Layer {
     const Linear *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
-    std::string prefix;  // "layers.{i}." 
+    std::string prefix;  // "layers.{i}."
     const float* qkv_bias = nullptr;
     const float* attn_norm = nullptr;
     const float* mlp_norm = nullptr;

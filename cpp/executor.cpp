@@ -42,14 +42,17 @@ void Executor::validate(const Request& r) const {
   auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
   if (n == 0) fail("the prompt is empty; give at least one token");
   for (TokenId t : r.prompt)
-    if (t < 0 || t >= vocab) fail("prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    if (t < 0 || t >= vocab)
+      fail("prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
   if (n >= config_.max_seq_len)
-    fail("the prompt has " + std::to_string(n) + " tokens; this engine's max_seq_len is " + std::to_string(config_.max_seq_len) +
-         " (prompt plus output), so at most " + std::to_string(config_.max_seq_len - 1) + " prompt tokens fit");
+    fail("the prompt has " + std::to_string(n) + " tokens; this engine's max_seq_len is " +
+         std::to_string(config_.max_seq_len) + " (prompt plus output), so at most " +
+         std::to_string(config_.max_seq_len - 1) + " prompt tokens fit");
   if (r.max_tokens < 1) fail("max_tokens must be at least 1, got " + std::to_string(r.max_tokens));
   if (n + r.max_tokens > config_.max_seq_len)
-    fail("prompt (" + std::to_string(n) + " tokens) + max_tokens (" + std::to_string(r.max_tokens) + ") exceeds max_seq_len (" +
-         std::to_string(config_.max_seq_len) + "); lower max_tokens to at most " + std::to_string(config_.max_seq_len - n));
+    fail("prompt (" + std::to_string(n) + " tokens) + max_tokens (" + std::to_string(r.max_tokens) +
+         ") exceeds max_seq_len (" + std::to_string(config_.max_seq_len) + "); lower max_tokens to at most " +
+         std::to_string(config_.max_seq_len - n));
   if (r.min_tokens < 0 || r.min_tokens > r.max_tokens) fail("min_tokens must be between 0 and max_tokens");
   const SamplingParams& s = r.sampling;
   if (!(s.temperature >= 0.0f)) fail("temperature must be >= 0");
@@ -270,7 +273,8 @@ void Executor::step() {
   std::string error;
   try {
     logits = runner_->forward(batch);
-    PRECAST_CHECK(logits.size() == size_t(batch.num_sampling()) * runner_->vocab_size(), "runner returned " << logits.size() << " logits");
+    PRECAST_CHECK(logits.size() == size_t(batch.num_sampling()) * runner_->vocab_size(),
+                  "runner returned " << logits.size() << " logits");
   } catch (const std::exception& e) {
     error = std::string("model runner failed: ") + e.what();
   }

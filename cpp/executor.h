@@ -36,13 +36,13 @@ struct ExecutorConfig {
 
 struct ExecutorStats {
   int64_t iterations = 0;
-  int active_requests = 0;   // running (holding KV)
-  int queued_requests = 0;   // waiting
+  int active_requests = 0;     // running (holding KV)
+  int queued_requests = 0;     // waiting
   int scheduled_requests = 0;  // in the last step
   int context_requests = 0;    // of which computing prompt tokens
   int decode_requests = 0;     // of which generating
   int64_t preemptions = 0;
-  int64_t prompt_tokens = 0;     // computed prompt tokens (prefix hits excluded)
+  int64_t prompt_tokens = 0;  // computed prompt tokens (prefix hits excluded)
   int64_t generated_tokens = 0;
   KvCacheStats kv;
 };

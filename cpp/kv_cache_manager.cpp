@@ -33,7 +33,6 @@ int KvCacheManager::match_prefix(RequestId id, const std::vector<TokenId>& token
   if (!prefix_reuse_ || tokens.empty()) return 0;
   const int B = tokens_per_block_;
   const int max_blocks = (int(tokens.size()) - 1) / B;  // leave the last token to compute
-  prefix_query_tokens_ += int64_t(tokens.size());
   uint64_t parent_hash = 0;
   int parent = -1;
   for (int i = 0; i < max_blocks; ++i) {
@@ -49,9 +48,14 @@ int KvCacheManager::match_prefix(RequestId id, const std::vector<TokenId>& token
     parent_hash = h;
   }
   table.num_registered = int(table.blocks.size());
-  reused_blocks_ += table.num_registered;
-  prefix_hit_tokens_ += int64_t(table.num_registered) * B;
   return table.num_registered * B;
+}
+
+void KvCacheManager::count_prefix_lookup(int num_prompt_tokens, int num_cached_tokens) {
+  if (!prefix_reuse_ || num_prompt_tokens == 0) return;
+  prefix_query_tokens_ += num_prompt_tokens;
+  prefix_hit_tokens_ += num_cached_tokens;
+  reused_blocks_ += num_cached_tokens / tokens_per_block_;
 }
 
 int KvCacheManager::take_block() {
@@ -169,7 +173,8 @@ void KvCacheManager::check_integrity() const {
   }
   for (int b = 0; b < num_blocks(); ++b) {
     const Block& blk = blocks_[b];
-    PRECAST_CHECK(blk.ref_count == refs[b], "block " << b << " ref_count " << blk.ref_count << " but in " << refs[b] << " tables");
+    PRECAST_CHECK(blk.ref_count == refs[b],
+                  "block " << b << " ref_count " << blk.ref_count << " but in " << refs[b] << " tables");
     if (blk.ref_count > 0) PRECAST_CHECK(where[b] == 0, "referenced block " << b << " is on a free list");
     if (blk.ref_count == 0) PRECAST_CHECK(where[b] != 0, "block " << b << " is lost (unreferenced, on no list)");
     if (where[b] == 1) PRECAST_CHECK(!blk.registered, "free block " << b << " still registered");

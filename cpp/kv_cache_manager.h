@@ -23,9 +23,9 @@ namespace precast {
 
 struct KvCacheStats {
   int max_blocks = 0;
-  int free_blocks = 0;    // allocatable now: free + cached-but-unreferenced
-  int used_blocks = 0;    // referenced by at least one request
-  int cached_blocks = 0;  // holding registered content (referenced or not)
+  int free_blocks = 0;        // allocatable now: free + cached-but-unreferenced
+  int used_blocks = 0;        // referenced by at least one request
+  int cached_blocks = 0;      // holding registered content (referenced or not)
   int64_t reused_blocks = 0;  // blocks served from the prefix cache, cumulative
   int64_t prefix_query_tokens = 0;
   int64_t prefix_hit_tokens = 0;
@@ -39,8 +39,14 @@ class KvCacheManager {
 
   // Attach the cached blocks that hold a prefix of `tokens` to the (new) request and return
   // how many tokens they cover. At least one token is always left to compute, because the
-  // model must produce logits for the last prompt token.
+  // model must produce logits for the last prompt token. Counts nothing in the statistics:
+  // a request may be matched again after a failed admission or a preemption.
   int match_prefix(RequestId id, const std::vector<TokenId>& tokens);
+
+  // Count one admitted request's prompt in the prefix-cache statistics: `num_prompt_tokens`
+  // looked up, `num_cached_tokens` of them served from the cache (match_prefix's result).
+  // The scheduler calls it once per request, at its first admission.
+  void count_prefix_lookup(int num_prompt_tokens, int num_cached_tokens);
 
   // Grow the request's block table to hold `num_tokens` tokens. All or nothing: returns
   // false, changing nothing, when there are not enough allocatable blocks.

@@ -12,15 +12,15 @@ using TokenId = int32_t;
 using RequestId = uint64_t;
 
 struct SamplingParams {
-  float temperature = 1.0f;  // 0: greedy
-  int top_k = 0;             // 0: off
-  float top_p = 1.0f;        // 1: off
-  float min_p = 0.0f;        // 0: off
+  float temperature = 1.0f;         // 0: greedy
+  int top_k = 0;                    // 0: off
+  float top_p = 1.0f;               // 1: off
+  float min_p = 0.0f;               // 0: off
   float repetition_penalty = 1.0f;  // on prompt and output tokens, HF's rule
   float presence_penalty = 0.0f;    // on output tokens, OpenAI's rule
   float frequency_penalty = 0.0f;
-  std::optional<uint64_t> seed;     // same seed, same tokens, whatever shares the batch
-  int top_logprobs = -1;            // -1: no logprobs; 0: the chosen token's; n: also the n best
+  std::optional<uint64_t> seed;  // same seed, same tokens, whatever shares the batch
+  int top_logprobs = -1;         // -1: no logprobs; 0: the chosen token's; n: also the n best
 };
 
 struct Request {
@@ -31,7 +31,7 @@ struct Request {
   std::vector<TokenId> stop_token_ids;  // besides the engine's eos ids
   bool ignore_eos = false;
   bool streaming = false;
-  int priority = 0;  // higher first among waiting requests; FCFS within a priority
+  int priority = 0;                             // higher first among waiting requests; FCFS within a priority
   std::vector<std::vector<TokenId>> bad_words;  // token sequences never generated
 };
 
@@ -45,7 +45,7 @@ struct TokenLogprob {
 struct Response {
   RequestId request_id = 0;
   std::vector<TokenId> new_tokens;
-  std::vector<float> logprobs;                         // one per new token, when asked
+  std::vector<float> logprobs;                          // one per new token, when asked
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // one list per new token, when asked
   FinishReason finish_reason = FinishReason::kNone;
   std::string error;  // set with kError

@@ -39,7 +39,8 @@ void apply_penalties(float* logits, const SamplingParams& p, const std::vector<T
     std::vector<TokenId> seen(context.begin(), context.end());
     std::sort(seen.begin(), seen.end());
     seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
-    for (TokenId t : seen) logits[t] = logits[t] > 0 ? logits[t] / p.repetition_penalty : logits[t] * p.repetition_penalty;
+    for (TokenId t : seen)
+      logits[t] = logits[t] > 0 ? logits[t] / p.repetition_penalty : logits[t] * p.repetition_penalty;
   }
   if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
     std::unordered_map<TokenId, int> counts;
@@ -100,7 +101,7 @@ TokenId draw(const float* logits, int vocab, const SamplingParams& p, SamplerSta
       mass = total;
     }
     const double target = p.top_p * mass;
-    for (int limit = keep;; ) {
+    for (int limit = keep;;) {
       double cum = 0.0;
       int i = 0;
       for (; i < limit; ++i) {

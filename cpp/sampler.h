@@ -29,8 +29,9 @@ struct SampleResult {
 // `context` is prompt + output so far; `num_output` how many of its last tokens are output.
 // `banned_now` lists tokens that may not be produced at this step (stop tokens before
 // min_tokens). `logits` is modified in place.
-SampleResult sample_token(float* logits, int vocab_size, const SamplingParams& params, const std::vector<TokenId>& context,
-                          int num_output, const std::vector<std::vector<TokenId>>& bad_words,
-                          const std::vector<TokenId>& banned_now, SamplerState& state);
+SampleResult sample_token(float* logits, int vocab_size, const SamplingParams& params,
+                          const std::vector<TokenId>& context, int num_output,
+                          const std::vector<std::vector<TokenId>>& bad_words, const std::vector<TokenId>& banned_now,
+                          SamplerState& state);
 
 }  // namespace precast

@@ -68,7 +68,10 @@ std::vector<ScheduledRequest> Scheduler::schedule() {
       break;
     }
     r.num_computed = cached;
-    if (!r.admitted_once) r.num_cached_prompt = cached;
+    if (!r.admitted_once) {  // statistics count a request once, not each retry or re-admission
+      r.num_cached_prompt = cached;
+      kv_.count_prefix_lookup(int(r.tokens.size()), cached);
+    }
     r.admitted_once = true;
     out.push_back({&r, n, cached + n == int(r.tokens.size())});
     budget -= n;

@@ -24,8 +24,8 @@ struct RequestState {
   Request request;
   std::vector<TokenId> tokens;  // prompt, then output
   int num_prompt = 0;
-  int num_computed = 0;         // tokens whose K/V are in the cache
-  int num_cached_prompt = 0;    // prompt tokens served by prefix reuse at first admission
+  int num_computed = 0;       // tokens whose K/V are in the cache
+  int num_cached_prompt = 0;  // prompt tokens served by prefix reuse at first admission
   uint64_t arrival = 0;
   bool admitted_once = false;
   SamplerState sampler;

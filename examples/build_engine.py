@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from precast.builder.build import BuildOptions, build_engine
-from precast.builder.engine import load_engine
+from precast.engine.directory import load_engine
 from precast.packaged import packaged_model_path
 
 checkpoint = Path(sys.argv[1]) if len(sys.argv) > 1 else packaged_model_path("smollm2-135m-instruct")
@@ -20,7 +20,9 @@ print(f"built {result.path} in {result.seconds:.1f} s")
 
 engine = load_engine(output)  # checks format, version and every tensor's shape and dtype
 spec = engine.config.model
-print(f"{spec.architecture}: {spec.num_layers} layers, {spec.num_heads} heads ({spec.num_kv_heads} kv), "
-      f"{spec.num_parameters():,} parameters, limits {engine.config.limits}")
+print(
+    f"{spec.architecture}: {spec.num_layers} layers, {spec.num_heads} heads ({spec.num_kv_heads} kv), "
+    f"{spec.num_parameters():,} parameters, limits {engine.config.limits}"
+)
 embedding = engine.weights.read("embed.weight")  # one tensor, read on demand
 print(f"embed.weight: {embedding.dtype} {embedding.shape}")

@@ -1,6 +1,6 @@
 """Generate text with the Python API: one chat answer, a streamed answer, and a batch.
 
-    python examples/generate.py ENGINE_DIR
+python examples/generate.py ENGINE_DIR
 """
 
 import sys

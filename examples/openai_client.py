@@ -1,7 +1,7 @@
 """Talk to `precast serve` with the official openai client.
 
-    precast serve engines/smollm2-135m-instruct --port 8000 &
-    python examples/openai_client.py [BASE_URL] [API_KEY]
+precast serve engines/smollm2-135m-instruct --port 8000 &
+python examples/openai_client.py [BASE_URL] [API_KEY]
 """
 
 import sys

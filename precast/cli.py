@@ -43,12 +43,16 @@ def _build(args: argparse.Namespace) -> None:
     )
     spec, limits = result.config.model, result.config.limits
     q = result.config.quant
-    if q["recipe"] != "none" or limits.kv_cache_dtype != "auto":
-        calib = q.get("calibration")
+    if q.recipe != "none" or limits.kv_cache_dtype != "auto":
+        calib = q.calibration
         print(
-            f"quantized: {q['recipe']}, {len(q.get('layers', {}))} layers, KV cache {limits.kv_cache_dtype}"
-            + (f"; calibration {calib['samples']} x {calib['tokens'] // calib['samples']} tokens in {calib['seconds']} s, "
-               f"peak RSS {calib['peak_rss_mb']} MB" if calib else "")
+            f"quantized: {q.recipe}, {len(q.layers)} layers, KV cache {limits.kv_cache_dtype}"
+            + (
+                f"; calibration {calib['samples']} x {calib['tokens'] // calib['samples']} tokens in {calib['seconds']} s, "
+                f"peak RSS {calib['peak_rss_mb']} MB"
+                if calib
+                else ""
+            )
         )
     print(
         f"built {result.path}: {spec.architecture}, {spec.num_parameters():,} parameters, {result.config.dtype}, "
@@ -58,8 +62,8 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    from precast.builder.engine import load_engine
     from precast.builder.inspect import engine_summary, format_summary
+    from precast.engine.directory import load_engine
 
     summary = engine_summary(load_engine(args.engine))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
@@ -100,9 +104,18 @@ def _run(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from precast.runtime.server.serve import serve
 
-    serve(args.engine, args.host, args.port, model_name=args.served_model_name, api_key=args.api_key,
-          max_concurrency=args.max_concurrency, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
-          log_level=args.log_level, backend=args.backend)
+    serve(
+        args.engine,
+        args.host,
+        args.port,
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_concurrency=args.max_concurrency,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.threads,
+        log_level=args.log_level,
+        backend=args.backend,
+    )
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -114,9 +127,18 @@ def _bench(args: argparse.Namespace) -> None:
 def _triton_repo(args: argparse.Namespace) -> None:
     from precast.runtime.triton.repo import write_model_repository
 
-    out = write_model_repository(args.engine, args.output, args.model_name, args.decoupled, args.instances,
-                                 args.kv_cache_memory, not args.no_chunked_prefill, not args.no_prefix_reuse,
-                                 args.threads, args.force)
+    out = write_model_repository(
+        args.engine,
+        args.output,
+        args.model_name,
+        args.decoupled,
+        args.instances,
+        args.kv_cache_memory,
+        not args.no_chunked_prefill,
+        not args.no_prefix_reuse,
+        args.threads,
+        args.force,
+    )
     print(f"wrote {out}/{args.model_name} ({'decoupled' if args.decoupled else 'not decoupled'}); start it with `precast triton {out}`")
 
 
@@ -139,9 +161,13 @@ def _memory_size(text: str) -> int:
 def _add_backend(parser: argparse.ArgumentParser) -> None:
     from precast.runtime.llm import BACKENDS
 
-    parser.add_argument("--backend", default="cpu", choices=BACKENDS,
-                        help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: "
-                             "that plan's network evaluated in numpy on the CPU (slow, for checking)")
+    parser.add_argument(
+        "--backend",
+        default="cpu",
+        choices=BACKENDS,
+        help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: "
+        "that plan's network evaluated in numpy on the CPU (slow, for checking)",
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -156,19 +182,32 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-seq-len", type=int, help="longest prompt + output (default: context length, at most 4096)")
     b.add_argument("--max-num-tokens", type=int, help="most tokens in one step (default: max-seq-len, at most 2048)")
     b.add_argument("--tokens-per-block", type=int, help="KV cache block size in tokens (default 32)")
-    b.add_argument("--target", default="cpu", choices=["cpu", "tensorrt", "all"],
-                   help="what to build for (default cpu): tensorrt adds a TensorRT plan (rank0.plan; needs `tensorrt` or "
-                        "`tensorrt-rtx` installed, runs on NVIDIA GPUs only); all = both")
+    b.add_argument(
+        "--target",
+        default="cpu",
+        choices=["cpu", "tensorrt", "all"],
+        help="what to build for (default cpu): tensorrt adds a TensorRT plan (rank0.plan; needs `tensorrt` or "
+        "`tensorrt-rtx` installed, runs on NVIDIA GPUs only); all = both",
+    )
     b.add_argument("--force", action="store_true", help="replace --output if it exists")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     qg = b.add_argument_group("quantization (docs/quantization.md)")
     qg.add_argument("--quant", default="none", help="none (default), fp8, nvfp4 or int4_awq")
     qg.add_argument("--kv-cache-dtype", default="auto", help="auto (default: float32 on CPU) or fp8 (calibrated per-layer scales)")
     qg.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (tied: the embeddings)")
-    qg.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                    help="keep matching layers in full precision (fnmatch on names like layers.0.attn.qkv, *.mlp.down); repeatable")
+    qg.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep matching layers in full precision (fnmatch on names like layers.0.attn.qkv, *.mlp.down); repeatable",
+    )
     qg.add_argument("--group-size", type=int, help="int4_awq group size (default: the largest of 128, 64, 32 dividing the layer's input)")
-    qg.add_argument("--skip-unsupported", action="store_true", help="keep layers whose shape the format cannot take in full precision instead of failing")
+    qg.add_argument(
+        "--skip-unsupported",
+        action="store_true",
+        help="keep layers whose shape the format cannot take in full precision instead of failing",
+    )
     qg.add_argument("--calib-text", help="UTF-8 text file for calibration (default: the text shipped with precast)")
     qg.add_argument("--calib-samples", type=int, default=16, help="calibration sequences (default 16)")
     qg.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence (default 256)")
@@ -218,8 +257,12 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("engine", help="engine directory")
     t.add_argument("--output", required=True, help="model repository directory to create")
     t.add_argument("--model-name", default="precast")
-    t.add_argument("--decoupled", action=argparse.BooleanOptionalAction, default=True,
-                   help="stream responses (decoupled transaction policy; default on)")
+    t.add_argument(
+        "--decoupled",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream responses (decoupled transaction policy; default on)",
+    )
     t.add_argument("--instances", type=int, default=1, help="model instances (each loads the engine)")
     t.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size per instance, e.g. 2GiB")
     t.add_argument("--no-chunked-prefill", action="store_true")

@@ -1,6 +1,6 @@
 """Real models that ship inside PyPI packages (no hub downloads at run time).
 
-    python -m precast.packaged smollm2-135m-instruct   # prints the GGUF's path
+python -m precast.packaged smollm2-135m-instruct   # prints the GGUF's path
 """
 
 from __future__ import annotations

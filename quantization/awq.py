@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from precast.quantization.formats import INT4_MAX
+from precast.engine.formats import INT4_MAX
 
 GRID = 20
 

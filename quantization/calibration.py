@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.builder.engine import Engine
+from precast.engine.directory import Engine
 from precast.errors import PrecastError
+from precast.runtime.cpu_backend import make_cpu_runner
 
 DEFAULT_TEXT = "calibration.txt"  # quantization/data/, written for precast (Apache-2.0, like the code)
 
@@ -59,8 +60,10 @@ def default_text() -> str:
 def calibration_sequences(tokenizer_json: str | None, text_path: Path | None, samples: int, seq_len: int) -> tuple[list[list[int]], str]:
     """Tokenize the calibration text and cut it into `samples` sequences of `seq_len` tokens."""
     if tokenizer_json is None:
-        raise PrecastError("calibration needs a tokenizer to read text, and this checkpoint has none; "
-                           "use the Python API's calib_tokens to give token ids instead")
+        raise PrecastError(
+            "calibration needs a tokenizer to read text, and this checkpoint has none; "
+            "use the Python API's calib_tokens to give token ids instead"
+        )
     from tokenizers import Tokenizer
 
     if text_path is None:
@@ -86,8 +89,6 @@ def calibration_sequences(tokenizer_json: str | None, text_path: Path | None, sa
 
 def calibrate(engine: Engine, sequences: list[list[int]], max_sample_rows: int = 0, num_threads: int | None = None) -> CalibrationResult:
     """Run every sequence through the engine with recording on; `max_sample_rows` rows per layer are kept."""
-    from precast.runtime.cpu_backend import make_cpu_runner
-
     vocab = engine.config.model.vocab_size
     if not sequences or any(len(s) == 0 for s in sequences):
         raise PrecastError("calibration needs at least one non-empty token sequence")

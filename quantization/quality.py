@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.builder.engine import Engine, load_engine
+from precast.engine.directory import Engine, load_engine
 from precast.errors import PrecastError
+from precast.runtime.cpu_backend import make_cpu_runner
 
 HELDOUT_TEXT = "heldout.txt"  # quantization/data/, distinct from the calibration text
 
@@ -47,12 +48,15 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def compare(engine_path: str | Path, reference_path: str | Path, windows: list[list[int]], num_threads: int | None = None,
-            quantize_activations: bool = True) -> tuple[Quality, Quality]:
+def compare(
+    engine_path: str | Path,
+    reference_path: str | Path,
+    windows: list[list[int]],
+    num_threads: int | None = None,
+    quantize_activations: bool = True,
+) -> tuple[Quality, Quality]:
     """(engine's quality, reference's quality) on the same windows. quantize_activations=False measures what
     the weights alone cost (a diagnostic, not the recipe)."""
-    from precast.runtime.cpu_backend import make_cpu_runner
-
     reference = make_cpu_runner(load_engine(reference_path), num_threads)
     runner = make_cpu_runner(load_engine(engine_path), num_threads, quantize_activations)
     nll = ref_nll = kl = agree = 0.0

@@ -1,56 +1,51 @@
 """A full-precision engine -> a quantized engine's weights and `quant` section.
 
 Streaming like the build: each tensor is read from the full-precision engine, folded (AWQ),
-quantized or cast, and written before the next is read. Per-tensor scales go into the config;
-block and group scales are written beside their weights (quantization/recipe.py).
+quantized or cast, and written before the next is read. Each layer's format (engine/quant.py)
+quantizes it; per-tensor scales go into its record in the config, block and group scales are
+written beside their weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from precast.builder.engine import WEIGHTS_FILE, Engine, numpy_dtype
-from precast.builder.safetensors_file import DTYPES, SafetensorsWriter
+from precast.engine.directory import WEIGHTS_FILE, Engine, numpy_dtype
+from precast.engine.formats import FP8_MAX, per_tensor_scale
+from precast.engine.quant import Int4Layer, KvCacheFp8, LayerQuant, QuantSection
+from precast.engine.safetensors_file import DTYPES, SafetensorsWriter
+from precast.engine.tensors import LINEAR_KINDS, TensorLayout
 from precast.errors import PrecastError
 from precast.quantization import awq
 from precast.quantization.calibration import CalibrationResult
-from precast.quantization.formats import FP4_MAX, FP8_MAX, per_tensor_scale, quantize_fp8, quantize_int4, quantize_nvfp4
-from precast.quantization.recipe import LayerPlan, QuantOptions
+from precast.quantization.recipe import QuantOptions
 
 
-def quant_section(options: QuantOptions, plan: dict[str, LayerPlan]) -> dict[str, Any]:
+def quant_section(options: QuantOptions, plan: dict[str, LayerQuant]) -> QuantSection:
     """The section before any scale is known (enough to lay out the weights file)."""
-    layers: dict[str, Any] = {}
-    for name, p in plan.items():
-        layers[name] = {"format": p.format, "group_size": p.group_size} if p.format == "int4" else {"format": p.format}
-    return {
-        "recipe": options.recipe,
-        "lm_head": options.quantize_lm_head,
-        "exclude": list(options.exclude),
-        "layers": layers,
-    }
+    return QuantSection(recipe=options.recipe, lm_head=options.quantize_lm_head, exclude=tuple(options.exclude), layers=dict(plan))
 
 
-def awq_scales(engine: Engine, plan: dict[str, LayerPlan], calib: CalibrationResult, progress: bool) -> dict[str, awq.AwqScale]:
+def awq_scales(engine: Engine, plan: dict[str, LayerQuant], calib: CalibrationResult, progress: bool) -> dict[str, awq.AwqScale]:
     """Search a scale for every int4 layer whose 1 / s can be folded into what feeds it."""
     spec = engine.config.model
     found: dict[str, awq.AwqScale] = {}
     targets = {}
     for i in range(spec.num_layers):
         targets.update(awq.fold_targets(i, spec.num_heads, spec.num_kv_heads))
-    todo = [n for n, p in plan.items() if p.format == "int4" and targets.get(n)]
+    todo = [n for n, p in plan.items() if isinstance(p, Int4Layer) and targets.get(n)]
     for name in tqdm(todo, desc="precast awq", disable=not progress):
         stats = calib.stats.get(name)
         if stats is None or len(stats.samples) == 0:
             raise PrecastError(f"calibration recorded no inputs for {name}; cannot search its AWQ scale")
         weight = engine.weights.read(f"{name}.weight").astype(np.float32)
-        found[name] = awq.search_scale(weight, stats.samples, stats.mean_abs, plan[name].group_size)
+        found[name] = awq.search_scale(weight, stats.samples, stats.mean_abs, plan[name].group_size)  # type: ignore[attr-defined]
     return found
 
 
@@ -66,7 +61,7 @@ def fold_awq(name: str, array: np.ndarray, scales: dict[str, awq.AwqScale], q_si
         return None if found is None else found.scale
 
     out = array.astype(np.float32, copy=True)
-    if rest.endswith(".weight") and rest[: -len(".weight")] in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
+    if rest.endswith(".weight") and rest[: -len(".weight")] in LINEAR_KINDS:
         own = s(rest[: -len(".weight")])
         if own is not None:
             out *= own[None, :]
@@ -83,45 +78,43 @@ def fold_awq(name: str, array: np.ndarray, scales: dict[str, awq.AwqScale], q_si
     return out
 
 
-def _calibrated_scale(calib: CalibrationResult | None, name: str, maximum: float) -> float:
-    """Per-tensor scale of an activation (or K / V) from its calibrated amax."""
+def _input_amax(calib: CalibrationResult | None, name: str) -> float:
+    """The calibrated max |x| of a layer's input (or of K / V: "layers.{i}.attn.k|v")."""
     stats = calib.stats.get(name) if calib else None
     if stats is None:
         raise PrecastError(f"calibration recorded no inputs for {name}")
-    return per_tensor_scale(stats.tensor_amax, maximum)
+    return stats.tensor_amax
 
 
-def quantize_layer(name: str, plan: LayerPlan, weight: np.ndarray, calib: CalibrationResult | None, entry: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Quantize one layer's weight; fills `entry` (the config) with its per-tensor scales."""
-    if plan.format == "fp8":
-        q = quantize_fp8(weight)
-        entry.update(weight_scale=q.scale, input_scale=_calibrated_scale(calib, name, FP8_MAX))
-        return {f"{name}.weight": q.values}
-    if plan.format == "nvfp4":
-        q4 = quantize_nvfp4(weight)
-        entry.update(weight_global_scale=q4.global_scale, input_global_scale=_calibrated_scale(calib, name, FP4_MAX * FP8_MAX))
-        return {f"{name}.weight": q4.packed, f"{name}.weight_scale": q4.block_scales}
-    qi = quantize_int4(weight, plan.group_size)
-    return {f"{name}.weight": qi.packed, f"{name}.weight_scale": qi.scales}
+def quantize_layer(
+    name: str, record: LayerQuant, weight: np.ndarray, calib: CalibrationResult | None
+) -> tuple[dict[str, np.ndarray], LayerQuant]:
+    """One layer's stored tensors by engine name, and its completed record."""
+    amax = _input_amax(calib, name) if record.quantizes_inputs else None
+    arrays, done = record.quantize(weight, amax)
+    return {f"{name}.{suffix}": array for suffix, array in arrays.items()}, done
 
 
 def write_quantized_weights(
     engine: Engine,
     out_dir: Path,
-    quant: dict[str, Any],
-    expected: dict[str, tuple[tuple[int, ...], str]],
-    plan: dict[str, LayerPlan],
+    expected: TensorLayout,
+    plan: dict[str, LayerQuant],
     calib: CalibrationResult | None,
     scales: dict[str, awq.AwqScale],
     progress: bool,
-) -> int:
-    """Write weights.safetensors for `quant` (filled in place with scales). Returns bytes written."""
+) -> tuple[int, dict[str, LayerQuant]]:
+    """Write weights.safetensors laid out as `expected`. Returns the bytes written and every layer's completed record."""
     spec = engine.config.model
     matrix_dtype = numpy_dtype(engine.config.dtype)
     layout = [(n, DTYPES[dt], shape) for n, (shape, dt) in expected.items()]
     total = sum(math.prod(shape) * np.dtype(dt).itemsize for _, dt, shape in layout)
     pending: dict[str, np.ndarray] = {}  # scales produced with their weight, written right after it
-    with open(out_dir / WEIGHTS_FILE, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="precast quantize", disable=not progress) as bar:
+    records: dict[str, LayerQuant] = {}
+    with (
+        open(out_dir / WEIGHTS_FILE, "wb") as f,
+        tqdm(total=total, unit="B", unit_scale=True, desc="precast quantize", disable=not progress) as bar,
+    ):
         writer = SafetensorsWriter(f, layout, metadata={"format": "precast"})
         for name, _, _ in layout:
             if name in pending:
@@ -130,24 +123,26 @@ def write_quantized_weights(
                 source = fold_awq(name, engine.weights.read(name), scales, spec.q_size, spec.kv_size)
                 layer = name[: -len(".weight")] if name.endswith(".weight") else None
                 if layer in plan:
-                    pending = quantize_layer(layer, plan[layer], source.astype(np.float32), calib, quant["layers"][layer])
+                    pending, records[layer] = quantize_layer(layer, plan[layer], source.astype(np.float32), calib)
                     if layer in scales:
-                        quant["layers"][layer].update(awq=True, awq_alpha=scales[layer].alpha)
-                    elif plan[layer].format == "int4":
-                        quant["layers"][layer]["awq"] = False
+                        records[layer] = dataclasses.replace(records[layer], awq=True, awq_alpha=scales[layer].alpha)
                     array = pending.pop(name)
                 else:
                     array = source.astype(np.float32 if source.ndim == 1 else matrix_dtype)
                     if not np.isfinite(array).all():
-                        raise PrecastError(f"{name} has values beyond {engine.config.dtype}'s range after AWQ scaling; build with --dtype float32")
+                        raise PrecastError(
+                            f"{name} has values beyond {engine.config.dtype}'s range after AWQ scaling; build with --dtype float32"
+                        )
             writer.write(name, array)
             bar.update(array.nbytes)
         writer.finish()
-    return total
+    return total, records
 
 
-def kv_cache_scales(calib: CalibrationResult, num_layers: int) -> dict[str, list[float]]:
-    return {
-        "k_scales": [_calibrated_scale(calib, f"layers.{i}.attn.k", FP8_MAX) for i in range(num_layers)],
-        "v_scales": [_calibrated_scale(calib, f"layers.{i}.attn.v", FP8_MAX) for i in range(num_layers)],
-    }
+def kv_cache_scales(calib: CalibrationResult, num_layers: int) -> KvCacheFp8:
+    def scale(name: str) -> float:
+        return per_tensor_scale(_input_amax(calib, name), FP8_MAX)
+
+    return KvCacheFp8(
+        tuple(scale(f"layers.{i}.attn.k") for i in range(num_layers)), tuple(scale(f"layers.{i}.attn.v") for i in range(num_layers))
+    )

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from precast.errors import PrecastError
+from precast.runtime.llm import LLM
+from precast.runtime.sampling_params import SamplingParams
 
 
 @dataclass
@@ -46,7 +48,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dataset", help="JSONL file of {\"prompt\": ..., \"max_tokens\": ...} instead of synthetic prompts")
+    p.add_argument("--dataset", help='JSONL file of {"prompt": ..., "max_tokens": ...} instead of synthetic prompts')
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--request-rate", type=float, help="Poisson arrivals per second instead of fixed concurrency")
     p.add_argument("--seed", type=int, default=0)
@@ -65,7 +67,7 @@ def make_samples(args: argparse.Namespace, vocab_size: int) -> list[Sample]:
                     row = json.loads(line)
                     samples.append(Sample(row["prompt"], int(row.get("max_tokens", args.output_len))))
                 except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                    raise PrecastError(f"{args.dataset}:{n}: expected {{\"prompt\": ..., \"max_tokens\": ...}} ({e})") from e
+                    raise PrecastError(f'{args.dataset}:{n}: expected {{"prompt": ..., "max_tokens": ...}} ({e})') from e
         if not samples:
             raise PrecastError(f"{args.dataset} holds no prompts")
         return samples[: args.num_prompts]
@@ -104,9 +106,6 @@ async def drive(samples: list[Sample], one: Any, concurrency: int, rate: float |
 
 
 def offline(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
-    from precast.runtime.llm import LLM
-    from precast.runtime.sampling_params import SamplingParams
-
     with LLM(args.engine) as llm:
         samples = make_samples(args, llm.engine.config.model.vocab_size)
 
@@ -147,8 +146,15 @@ def online(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
 
             async def one(s: Sample) -> RequestResult:
                 r = RequestResult()
-                body = {"model": model, "prompt": s.prompt, "max_tokens": s.max_tokens, "temperature": 0.0, "stream": True,
-                        "stream_options": {"include_usage": True}, "ignore_eos": not args.dataset}
+                body = {
+                    "model": model,
+                    "prompt": s.prompt,
+                    "max_tokens": s.max_tokens,
+                    "temperature": 0.0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "ignore_eos": not args.dataset,
+                }
                 t0 = last = time.perf_counter()
                 chunks = 0
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -209,7 +215,9 @@ def format_table(s: dict[str, Any]) -> str:
     lines.append(f"| total token throughput | {s['total_token_throughput']:.1f} tok/s |")
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "end-to-end")):
         p = s[key]
-        lines.append(f"| {label} mean / p50 / p90 / p99 | {p['mean'] * 1e3:.1f} / {p['p50'] * 1e3:.1f} / {p['p90'] * 1e3:.1f} / {p['p99'] * 1e3:.1f} ms |")
+        lines.append(
+            f"| {label} mean / p50 / p90 / p99 | {p['mean'] * 1e3:.1f} / {p['p50'] * 1e3:.1f} / {p['p90'] * 1e3:.1f} / {p['p99'] * 1e3:.1f} ms |"
+        )
     return "\n".join(lines)
 
 
@@ -226,4 +234,3 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
     return summary
-

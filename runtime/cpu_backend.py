@@ -7,10 +7,9 @@ import os
 import numpy as np
 
 from precast import _C
-from precast.builder.engine import Engine
-from precast.builder.rope import rope_parameters
-from precast.quantization.formats import NVFP4_BLOCK
-from precast.quantization.recipe import linear_shapes
+from precast.engine.directory import Engine
+from precast.engine.rope import rope_parameters
+from precast.engine.tensors import linear_shapes
 
 _WEIGHT_DTYPES = {"float32": _C.WeightDtype.F32, "bfloat16": _C.WeightDtype.BF16, "float16": _C.WeightDtype.F16}
 
@@ -45,20 +44,18 @@ def make_cpu_runner(engine: Engine, num_threads: int | None = None, quantize_act
     c.inv_freq = inv_freq.tolist()
     c.attention_factor = attention_factor
     c.dtype = _WEIGHT_DTYPES[engine.config.dtype]
-    if engine.config.limits.kv_cache_dtype == "fp8":
-        c.kv_fp8 = True
-        c.k_scales = engine.config.quant["kv_cache"]["k_scales"]
-        c.v_scales = engine.config.quant["kv_cache"]["v_scales"]
+    if engine.config.quant.kv_cache is not None:
+        engine.config.quant.kv_cache.load_cpu(c)
     c.num_threads = num_threads or default_num_threads()
     runner = _C.CpuRunner(c)
-    layers = engine.config.quant.get("layers", {})
+    layers = engine.config.quant.layers
     shapes = linear_shapes(spec)
     for name in engine.weights.tensors:
         if name.endswith(".weight_scale"):
             continue  # read with its weight
         layer = name[: -len(".weight")]
-        if layer in layers:
-            _set_quantized(runner, engine, layer, layers[layer], shapes[layer], quantize_activations)
+        if layer in layers:  # the format loads its own stored tensors
+            layers[layer].load_cpu(runner, layer, engine.weights.read, *shapes[layer], quantize_activations)
             continue
         array = engine.weights.read(name)
         # bfloat16/float16 travel as their raw 16-bit patterns; the kernels widen them.
@@ -66,22 +63,3 @@ def make_cpu_runner(engine: Engine, num_threads: int | None = None, quantize_act
         runner.set_weight(name, np.ascontiguousarray(raw))
     runner.finalize()
     return runner
-
-
-def _set_quantized(runner: _C.CpuRunner, engine: Engine, layer: str, entry: dict, shape: tuple[int, int],
-                   quantize_activations: bool) -> None:
-    rows, cols = shape
-    values = np.ascontiguousarray(engine.weights.read(f"{layer}.weight").view(np.uint8))
-    fmt = entry["format"]
-    if fmt == "fp8":
-        runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.FP8, rows, cols, values, None, 0, entry["weight_scale"],
-                                    _C.ActQuant.FP8_STATIC if quantize_activations else _C.ActQuant.NONE, entry["input_scale"])
-        return
-    scales = np.ascontiguousarray(engine.weights.read(f"{layer}.weight_scale"))
-    if fmt == "nvfp4":
-        runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.NVFP4, rows, cols, values, scales.view(np.uint8), NVFP4_BLOCK,
-                                    entry["weight_global_scale"], _C.ActQuant.NVFP4_DYNAMIC if quantize_activations else _C.ActQuant.NONE,
-                                    entry["input_global_scale"])
-    else:  # int4: weight-only (W4A16)
-        runner.set_quantized_weight(f"{layer}.weight", _C.WeightDtype.INT4, rows, cols, values, scales, int(entry["group_size"]), 1.0,
-                                    _C.ActQuant.NONE, 1.0)

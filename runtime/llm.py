@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from precast import _C
-from precast.builder.engine import Engine, load_engine
+from precast.engine.directory import Engine, load_engine
 from precast.errors import PrecastError
+from precast.runtime.cpu_backend import make_cpu_runner
 from precast.runtime.detokenizer import IncrementalDetokenizer
 from precast.runtime.sampling_params import SamplingParams
+from precast.runtime.tensorrt.runner import make_tensorrt_runner
 from precast.runtime.tokenizer import Tokenizer
 
 _FINISH_REASONS = {
@@ -117,12 +119,8 @@ class LLM:
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
         if backend == "cpu":
-            from precast.runtime.cpu_backend import make_cpu_runner
-
             self._runner = make_cpu_runner(self.engine, num_threads)
         elif backend in ("tensorrt", "tensorrt-reference"):  # docs/tensorrt.md: GPU-only / numpy reference
-            from precast.runtime.tensorrt_backend import make_tensorrt_runner
-
             self._runner = make_tensorrt_runner(self.engine, reference=backend == "tensorrt-reference")
         else:
             raise PrecastError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)} (tensorrt: an NVIDIA GPU)")
@@ -203,7 +201,9 @@ class LLM:
         req.sampling = s
         return req
 
-    def _submit(self, prompt: str | list[int], params: SamplingParams, streaming: bool, sink_for: Callable[[_Tracker], Callable[[Any], None]]) -> _Tracker:
+    def _submit(
+        self, prompt: str | list[int], params: SamplingParams, streaming: bool, sink_for: Callable[[_Tracker], Callable[[Any], None]]
+    ) -> _Tracker:
         if self._closed:
             raise PrecastError("this LLM has been shut down")
         prompt_ids = self._prompt_ids(prompt)
@@ -237,7 +237,7 @@ class LLM:
         done: queue.Queue[RequestOutput] = queue.Queue()
         trackers = []
         for p in batch:
-            trackers.append(self._submit(p, params, False, lambda t: (lambda r, t=t: _put(done.put, t.update(r)))))
+            trackers.append(self._submit(p, params, False, lambda t: lambda r, t=t: _put(done.put, t.update(r))))
         results: dict[int, RequestOutput] = {}
         while len(results) < len(trackers):
             out = done.get()
@@ -250,7 +250,7 @@ class LLM:
         """Yield a RequestOutput per generated token (delta = the new text); the last one is finished.
         Closing the iterator early cancels the request."""
         updates: queue.Queue[RequestOutput] = queue.Queue()
-        tracker = self._submit(prompt, params or SamplingParams(), True, lambda t: (lambda r: _put(updates.put, t.update(r))))
+        tracker = self._submit(prompt, params or SamplingParams(), True, lambda t: lambda r: _put(updates.put, t.update(r)))
         finished = False
         try:
             while not finished:
@@ -334,5 +334,7 @@ def _within(name: str, value: int | None, limit: int) -> int:
     if value is None:
         return limit
     if not 1 <= value <= limit:
-        raise PrecastError(f"{name}={value} is outside the engine's build limit (1..{limit}); rebuild with a larger --{name.replace('_', '-')}")
+        raise PrecastError(
+            f"{name}={value} is outside the engine's build limit (1..{limit}); rebuild with a larger --{name.replace('_', '-')}"
+        )
     return value

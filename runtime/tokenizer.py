@@ -7,7 +7,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from precast.builder.engine import Engine
+from precast.engine.directory import Engine
 from precast.errors import PrecastError
 
 

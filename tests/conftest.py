@@ -3,36 +3,112 @@
 from __future__ import annotations
 
 import copy
+import types
 from pathlib import Path
 
 import pytest
+
+# `make check` runs `pytest --fast`: the tests that need neither the torch / transformers oracles nor a
+# tritonserver (marker), nor the slow marker, nor the quantized SmolLM2 engines (a minute to build). A test needs them
+# when it asks for one of these fixtures (directly or through another) or its module imports one of these packages.
+FULL_SUITE_FIXTURES = {"tiny_checkpoints", "tiny_engines", "smollm2_hf_model", "smollm2_hf_dir", "smollm2_quantized_engines"}
+ORACLE_PACKAGES = ("torch", "transformers", "tritonclient", "modelopt", "onnx", "onnxruntime", "openai")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true", help="only tests that need no torch/transformers oracle, tritonserver or slow marker")
+
+
+def _needs_oracle(item) -> bool:
+    if (
+        FULL_SUITE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        or item.get_closest_marker("slow")
+        or item.get_closest_marker("tritonserver")
+    ):
+        return True
+    module = getattr(item, "module", None)
+    imported = vars(module).values() if module else ()
+    origins = {v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None) or "" for v in imported}
+    return any(o.split(".")[0] in ORACLE_PACKAGES for o in origins)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    keep = [i for i in items if not _needs_oracle(i)]
+    config.hook.pytest_deselected(items=[i for i in items if _needs_oracle(i)])
+    items[:] = keep
+
 
 # Tiny configs that between them cover GQA, tied and untied embeddings, sliding windows,
 # qkv bias, qk-norm and every RoPE scaling type precast supports.
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=128)
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     # llama: GQA 4:2, untied, linear RoPE scaling
-    "llama": ("llama", dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=256,
-                            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    "llama": (
+        "llama",
+        dict(
+            _COMMON,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+    ),
     # llama tied, llama3 RoPE scaling, multi-query attention
-    "llama3": ("llama", dict(_COMMON, num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=512,
-                             rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                                              "rope_theta": 500000.0})),
+    "llama3": (
+        "llama",
+        dict(
+            _COMMON,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0,
+            },
+        ),
+    ),
     # mistral: sliding window on every layer, untied, default RoPE
-    "mistral": ("mistral", dict(_COMMON, num_key_value_heads=2, sliding_window=16, tie_word_embeddings=False,
-                                max_position_embeddings=256)),
+    "mistral": ("mistral", dict(_COMMON, num_key_value_heads=2, sliding_window=16, tie_word_embeddings=False, max_position_embeddings=256)),
     # qwen2: qkv bias, sliding window from layer 1 on, tied, yarn
-    "qwen2": ("qwen2", dict(_COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
-                            max_window_layers=1, tie_word_embeddings=True, max_position_embeddings=256,
-                            rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                             "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
+    "qwen2": (
+        "qwen2",
+        dict(
+            _COMMON,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+        ),
+    ),
     # qwen3: qk-norm, head_dim != hidden / heads, untied, yarn with explicit attention factor
-    "qwen3": ("qwen3", dict(_COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-                            max_position_embeddings=256,
-                            rope_parameters={"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.2,
-                                             "beta_fast": 16.0, "beta_slow": 2.0,
-                                             "original_max_position_embeddings": 128, "rope_theta": 1000000.0})),
+    "qwen3": (
+        "qwen3",
+        dict(
+            _COMMON,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "attention_factor": 1.2,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+                "original_max_position_embeddings": 128,
+                "rope_theta": 1000000.0,
+            },
+        ),
+    ),
 }
 
 
@@ -145,6 +221,9 @@ def smollm2_quantized_engines(smollm2_gguf, tmp_path_factory) -> dict[str, Path]
 
     root = tmp_path_factory.mktemp("smollm2-quant")
     for recipe in ("fp8", "nvfp4", "int4_awq"):
-        build_engine(BuildOptions(smollm2_gguf, root / recipe, max_seq_len=2048, progress=False,
-                                  quant=QuantOptions(recipe=recipe, **SMALL_CALIBRATION)))
+        build_engine(
+            BuildOptions(
+                smollm2_gguf, root / recipe, max_seq_len=2048, progress=False, quant=QuantOptions(recipe=recipe, **SMALL_CALIBRATION)
+            )
+        )
     return {recipe: root / recipe for recipe in ("fp8", "nvfp4", "int4_awq")}

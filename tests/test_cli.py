@@ -18,14 +18,33 @@ def precast(*args: str) -> subprocess.CompletedProcess:
 
 def test_build_then_inspect(tiny_checkpoints, tmp_path):
     out = tmp_path / "engine"
-    r = precast("build", "--checkpoint", str(tiny_checkpoints["qwen3"]), "--output", str(out), "--dtype", "bfloat16",
-                "--max-seq-len", "128", "--max-batch-size", "4")
+    r = precast(
+        "build",
+        "--checkpoint",
+        str(tiny_checkpoints["qwen3"]),
+        "--output",
+        str(out),
+        "--dtype",
+        "bfloat16",
+        "--max-seq-len",
+        "128",
+        "--max-batch-size",
+        "4",
+    )
     assert r.returncode == 0, r.stderr
     assert "built" in r.stdout and "qwen3" in r.stdout
     assert "precast build" in r.stderr  # the progress bar
     r = precast("inspect", str(out))
     assert r.returncode == 0, r.stderr
-    for expected in ("architecture   qwen3", "qk-norm True", "bfloat16", "max_seq_len 128", "max_batch_size 4", "targets        cpu", "sha256"):
+    for expected in (
+        "architecture   qwen3",
+        "qk-norm True",
+        "bfloat16",
+        "max_seq_len 128",
+        "max_batch_size 4",
+        "targets        cpu",
+        "sha256",
+    ):
         assert expected in r.stdout, expected
     summary = json.loads(precast("inspect", str(out), "--json").stdout)
     sizes = summary["bytes_by_dtype"]
@@ -49,8 +68,26 @@ def test_errors_are_one_line_without_traceback(args, message):
 
 def test_quantized_build_from_the_command_line(smollm2_gguf, tmp_path):
     out = tmp_path / "fp8"
-    r = precast("build", "--checkpoint", str(smollm2_gguf), "--output", str(out), "--quant", "fp8", "--kv-cache-dtype", "fp8",
-                "--exclude", "layers.0.*", "--calib-samples", "2", "--calib-seq-len", "64", "--max-seq-len", "512", "--quiet")
+    r = precast(
+        "build",
+        "--checkpoint",
+        str(smollm2_gguf),
+        "--output",
+        str(out),
+        "--quant",
+        "fp8",
+        "--kv-cache-dtype",
+        "fp8",
+        "--exclude",
+        "layers.0.*",
+        "--calib-samples",
+        "2",
+        "--calib-seq-len",
+        "64",
+        "--max-seq-len",
+        "512",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     assert "quantized: fp8, 116 layers, KV cache fp8; calibration 2 x 64 tokens" in r.stdout
     r = precast("inspect", str(out))

@@ -8,7 +8,9 @@ from precast.builder.architectures import llama, mistral, qwen2, qwen3
 from precast.builder.architectures.common import Architecture
 from precast.errors import PrecastError
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (llama.ARCHITECTURE, mistral.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE)}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a for a in (llama.ARCHITECTURE, mistral.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE)
+}
 
 
 def supported_names() -> list[str]:

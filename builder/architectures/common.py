@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from precast.builder.spec import ROPE_TYPES, ModelSpec, RopeScaling
+from precast.engine.spec import ROPE_TYPES, ModelSpec, RopeScaling
 from precast.errors import PrecastError
 
 # Canonical engine tensor name -> HF source tensor name(s). Several sources are concatenated

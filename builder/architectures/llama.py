@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from precast.builder.architectures.common import DECODER_WEIGHT_NAMES, Architecture, decoder_spec, refuse_if
-from precast.builder.spec import ModelSpec
+from precast.engine.spec import ModelSpec
 
 
 def llama_spec(config: dict[str, Any]) -> ModelSpec:

@@ -10,7 +10,7 @@ from precast.builder.architectures.common import (
     decoder_spec,
     sliding_layers_from_layer_types,
 )
-from precast.builder.spec import ModelSpec
+from precast.engine.spec import ModelSpec
 
 
 def qwen2_spec(config: dict[str, Any]) -> ModelSpec:

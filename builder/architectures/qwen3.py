@@ -11,7 +11,7 @@ from precast.builder.architectures.common import (
     refuse_if,
     sliding_layers_from_layer_types,
 )
-from precast.builder.spec import ModelSpec
+from precast.engine.spec import ModelSpec
 
 
 def qwen3_spec(config: dict[str, Any]) -> ModelSpec:

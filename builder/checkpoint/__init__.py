@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 from precast.builder.checkpoint.base import Checkpoint, TokenizerFiles
+from precast.builder.checkpoint.gguf_file import GGUFCheckpoint
+from precast.builder.checkpoint.hf import HFCheckpoint
 from precast.errors import PrecastError
 
 __all__ = ["Checkpoint", "TokenizerFiles", "open_checkpoint"]
@@ -21,12 +23,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if not (p / "config.json").exists() and len(ggufs) == 1:
             p = ggufs[0]
         else:
-            from precast.builder.checkpoint.hf import HFCheckpoint
-
             return HFCheckpoint(p)
     if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
-        from precast.builder.checkpoint.gguf_file import GGUFCheckpoint
-
         return GGUFCheckpoint(p)
     raise PrecastError(f"{p} is neither a Hugging Face checkpoint directory nor a .gguf file")
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from precast.builder.checkpoint.base import Checkpoint, TokenizerFiles
+from precast.builder.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from precast.errors import PrecastError
 
 # GGUF architecture name -> the HF model_type and class it corresponds to.
@@ -114,9 +115,7 @@ class GGUFCheckpoint(Checkpoint):
                 raise PrecastError(f"{path}: metadata key {key!r} cannot be decoded ({e}); the file may be corrupt") from e
         arch = self.metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            raise PrecastError(
-                f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
-            )
+            raise PrecastError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
         self.gguf_architecture: str = arch
         gguf_names = [t.name for t in self._reader.tensors]
         if "rope_freqs.weight" in gguf_names:
@@ -194,8 +193,6 @@ class GGUFCheckpoint(Checkpoint):
         return w
 
     def tokenizer(self) -> TokenizerFiles | None:
-        from precast.builder.checkpoint.gguf_tokenizer import tokenizer_from_gguf
-
         if "tokenizer.ggml.model" not in self.metadata:
             return None
         return tokenizer_from_gguf(self.metadata, str(self.path))

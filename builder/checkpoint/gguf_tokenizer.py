@@ -88,18 +88,12 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> TokenizerFiles
     # in an added token, say) is respelled so that BPE can ever produce it.
     alphabet = _bytes_to_unicode()
     letters = set(alphabet.values())
-    vocab = {
-        (t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
-    }
+    vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types) if ty == _CONTROL]
-    )
-    tok.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED]
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED])
 
     def token(key: str) -> str | None:
         idx = metadata.get(f"tokenizer.ggml.{key}")

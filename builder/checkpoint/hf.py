@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from precast.builder.checkpoint.base import Checkpoint, TokenizerFiles
-from precast.builder.safetensors_file import SafetensorsFile, TensorInfo
+from precast.engine.safetensors_file import SafetensorsFile, TensorInfo
 from precast.errors import PrecastError
 
 # Files an HF directory may carry that describe the tokenizer; copied into the engine as they are.

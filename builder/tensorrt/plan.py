@@ -19,10 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from precast.builder.engine import CONFIG_FILE, EngineConfig, load_engine, write_json
-from precast.builder.tensorrt.lowering import check_supported, lower
-from precast.builder.tensorrt.trt_ops import TrtOps, import_tensorrt
+from precast.engine.directory import CONFIG_FILE, EngineConfig, load_engine, write_json
+from precast.engine.tensors import linear_shapes
 from precast.errors import PrecastError
+from precast.runtime.tensorrt.lowering import check_supported, lower
+from precast.runtime.tensorrt.trt_ops import TrtOps, import_tensorrt, quiet_logger
 
 PLAN_FILE = "rank0.plan"
 REPORT_FILE = "tensorrt_build.json"
@@ -42,19 +43,10 @@ def rtx_compute_capabilities(dtypes: set[str]) -> list[str]:
 
 def layer_precisions(config: Any, act_dtype: str) -> dict[str, str]:
     """Per linear layer: weight and input precision as lowered (the report's precision table)."""
-    from precast.quantization.recipe import linear_shapes
-
     out = {}
     for name in linear_shapes(config.model):
-        entry = config.quant.get("layers", {}).get(name)
-        if entry is None:
-            out[name] = f"{act_dtype} weights, {act_dtype} inputs"
-        elif entry["format"] == "fp8":
-            out[name] = "fp8 weights (per-tensor scale), fp8 inputs (static scale)"
-        elif entry["format"] == "nvfp4":
-            out[name] = "nvfp4 weights (E4M3 per 16 x global), nvfp4 inputs (dynamic per 16)"
-        else:
-            out[name] = f"int4 weights (groups of {entry['group_size']}), {act_dtype} inputs"
+        record = config.quant.layers.get(name)
+        out[name] = f"{act_dtype} weights, {act_dtype} inputs" if record is None else record.precision(act_dtype)
     return out
 
 
@@ -118,29 +110,18 @@ def build_plan(engine_dir: Path, previous: Path | None = None, act_dtype: str | 
         "plan_bytes": len(plan),
         "plan_sha256": hashlib.sha256(plan).hexdigest(),
     }
-    report = {**record, "build_seconds": round(seconds, 2), "network_layers": len(ops.trace),
-              "timing_cache": cache_state,
-              "layer_precision": layer_precisions(engine.config, act),
-              "kv_cache": f"{act}, [{S}, {engine.config.model.num_kv_heads}, {record['cache_len']}, {engine.config.model.head_dim}] per layer"}
+    report = {
+        **record,
+        "build_seconds": round(seconds, 2),
+        "network_layers": len(ops.trace),
+        "timing_cache": cache_state,
+        "layer_precision": layer_precisions(engine.config, act),
+        "kv_cache": f"{act}, [{S}, {engine.config.model.num_kv_heads}, {record['cache_len']}, {engine.config.model.head_dim}] per layer",
+    }
     write_json(engine_dir / REPORT_FILE, report)
     engine_config = replace(engine.config, targets={**engine.config.targets, "tensorrt": record})
     write_json(engine_dir / CONFIG_FILE, engine_config.to_dict())
     return report, engine_config
-
-
-def quiet_logger(trt: Any) -> Any:
-    """Errors and warnings that matter; TensorRT-RTX's report that no CUDA driver is present is dropped
-    (building a plan needs no GPU)."""
-
-    class Logger(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-
-        def log(self, severity: Any, msg: str) -> None:
-            if severity <= trt.ILogger.Severity.ERROR and "CUDA driver version is insufficient" not in msg:
-                print(f"[{trt.__name__}] {msg}", flush=True)
-
-    return Logger()
 
 
 def _atomic_write(path: Path, content: bytes) -> None:

@@ -1,6 +1,6 @@
 """Stream a completion from precast's Triton model over gRPC with tritonclient.
 
-    python examples/triton/client.py [HOST:GRPC_PORT]
+python examples/triton/client.py [HOST:GRPC_PORT]
 """
 
 import queue

@@ -1,12 +1,12 @@
 #include "kernels.h"
 
-#include "quantize.h"
-#include "vec_math.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+
+#include "quantize.h"
+#include "vec_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -61,10 +61,13 @@ constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -
 
 size_t element_bytes(WeightDtype dtype) {
   switch (dtype) {
-    case WeightDtype::kF32: return 4;
+    case WeightDtype::kF32:
+      return 4;
     case WeightDtype::kBF16:
-    case WeightDtype::kF16: return 2;
-    default: return 1;  // kFP8; 4-bit formats are handled as nibbles
+    case WeightDtype::kF16:
+      return 2;
+    default:
+      return 1;  // kFP8; 4-bit formats are handled as nibbles
   }
 }
 
@@ -72,16 +75,22 @@ size_t element_bytes(WeightDtype dtype) {
 float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
   const uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
   switch (m.dtype) {
-    case WeightDtype::kF32: return load_scalar<WeightDtype::kF32>(panel, i * kPanel + j);
-    case WeightDtype::kBF16: return load_scalar<WeightDtype::kBF16>(panel, i * kPanel + j);
-    case WeightDtype::kF16: return load_scalar<WeightDtype::kF16>(panel, i * kPanel + j);
-    case WeightDtype::kFP8: return load_scalar<WeightDtype::kFP8>(panel, i * kPanel + j);
-    default: break;
+    case WeightDtype::kF32:
+      return load_scalar<WeightDtype::kF32>(panel, i * kPanel + j);
+    case WeightDtype::kBF16:
+      return load_scalar<WeightDtype::kBF16>(panel, i * kPanel + j);
+    case WeightDtype::kF16:
+      return load_scalar<WeightDtype::kF16>(panel, i * kPanel + j);
+    case WeightDtype::kFP8:
+      return load_scalar<WeightDtype::kFP8>(panel, i * kPanel + j);
+    default:
+      break;
   }
   const uint8_t byte = panel[i * (kPanel / 2) + j % 32];
   const int code = j < 32 ? byte & 0xf : byte >> 4;
   const int64_t groups = m.cols / m.group_size, s = (p * groups + i / m.group_size) * kPanel + j;
-  if (m.dtype == WeightDtype::kNVFP4) return kE2m1Values[code] * load_scalar<WeightDtype::kFP8>(m.group_scales.data(), s);
+  if (m.dtype == WeightDtype::kNVFP4)
+    return kE2m1Values[code] * load_scalar<WeightDtype::kFP8>(m.group_scales.data(), s);
   return kInt4Values[code] * reinterpret_cast<const float*>(m.group_scales.data())[s];
 }
 
@@ -126,18 +135,21 @@ inline void accumulate(__m512 (&acc)[NR][4], const float* x, int64_t x_stride, i
   }
 }
 
-inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias, float out_scale, float* y, int64_t y_stride) {
+inline void store_outputs(__m512 (*acc)[4], int nr, int valid, const float* bias, float out_scale, float* y,
+                          int64_t y_stride) {
   const __m512 s = _mm512_set1_ps(out_scale);
   for (int v = 0; v < 4; ++v) {
     if (valid <= v * 16) break;
     const __mmask16 mask = first_lanes(valid - v * 16);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < nr; ++r) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, mask, _mm512_fmadd_ps(acc[r][v], s, b));
+    for (int r = 0; r < nr; ++r)
+      _mm512_mask_storeu_ps(y + r * y_stride + v * 16, mask, _mm512_fmadd_ps(acc[r][v], s, b));
   }
 }
 
 template <WeightDtype DT>
-using Element = std::conditional_t<DT == WeightDtype::kF32, float, std::conditional_t<DT == WeightDtype::kFP8, uint8_t, uint16_t>>;
+using Element =
+    std::conditional_t<DT == WeightDtype::kF32, float, std::conditional_t<DT == WeightDtype::kFP8, uint8_t, uint16_t>>;
 
 // Quantized panels are consumed slower than DRAM streams them (conversion work per byte), and
 // the hardware prefetcher alone then leaves the loop waiting on memory: fetch ahead by hand.
@@ -150,15 +162,16 @@ constexpr int kPrefetchBytes = 4096;
 // across row groups. The partial sums wait in y between blocks (a float32 store and load,
 // exact), so every output is still one FMA chain in input order.
 template <WeightDtype DT, int NR>
-inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w, int64_t p, int valid, const float* bias,
-                         float* y, int64_t y_stride, int i_begin, int i_end) {
+inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w, int64_t p, int valid,
+                         const float* bias, float* y, int64_t y_stride, int i_begin, int i_end) {
   const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
   __m512 acc[NR][4];
   if (i_begin == 0) {
     zero<NR>(acc);
   } else {
     for (int r = 0; r < NR; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_maskz_loadu_ps(first_lanes(valid - v * 16), y + r * y_stride + v * 16);
+      for (int v = 0; v < 4; ++v)
+        acc[r][v] = _mm512_maskz_loadu_ps(first_lanes(valid - v * 16), y + r * y_stride + v * 16);
   }
   for (int i = i_begin; i < i_end; ++i) {
     const int64_t off = int64_t(i) * kPanel;
@@ -178,7 +191,8 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
   }
   if (i_end < w.cols) {  // partial sums of the valid outputs (padding rows of the panel are zero)
     for (int r = 0; r < NR; ++r)
-      for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(y + r * y_stride + v * 16, first_lanes(valid - v * 16), acc[r][v]);
+      for (int v = 0; v < 4; ++v)
+        _mm512_mask_storeu_ps(y + r * y_stride + v * 16, first_lanes(valid - v * 16), acc[r][v]);
     return;
   }
   store_outputs(acc, NR, valid, bias, w.out_scale, y, y_stride);
@@ -199,8 +213,10 @@ inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatr
     __m512 s[4];
     const int64_t s_off = (p * groups + g) * kPanel;
     for (int v = 0; v < 4; ++v) {
-      if constexpr (DT == WeightDtype::kNVFP4) s[v] = load16<WeightDtype::kFP8>(w.group_scales.data(), s_off + v * 16);
-      else s[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(w.group_scales.data()) + s_off + v * 16);
+      if constexpr (DT == WeightDtype::kNVFP4)
+        s[v] = load16<WeightDtype::kFP8>(w.group_scales.data(), s_off + v * 16);
+      else
+        s[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(w.group_scales.data()) + s_off + v * 16);
     }
     for (int i = g * w.group_size; i < (g + 1) * w.group_size; ++i) {
       const uint8_t* bytes = panel + int64_t(i) * (kPanel / 2);
@@ -222,10 +238,12 @@ template <WeightDtype DT>
 struct Kernel {
 #ifdef PRECAST_AVX512
   template <int NR>
-  static void run(const float* x, int64_t xs, const PackedMatrix& w, int64_t p, int valid, const float* b, float* y, int64_t ys,
-                  int i0, int i1) {
-    if constexpr (DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4) panel_kernel_4bit<DT, NR>(x, xs, w, p, valid, b, y, ys);
-    else panel_kernel<DT, NR>(x, xs, w, p, valid, b, y, ys, i0, i1);
+  static void run(const float* x, int64_t xs, const PackedMatrix& w, int64_t p, int valid, const float* b, float* y,
+                  int64_t ys, int i0, int i1) {
+    if constexpr (DT == WeightDtype::kNVFP4 || DT == WeightDtype::kINT4)
+      panel_kernel_4bit<DT, NR>(x, xs, w, p, valid, b, y, ys);
+    else
+      panel_kernel<DT, NR>(x, xs, w, p, valid, b, y, ys, i0, i1);
   }
 #endif
 };
@@ -252,12 +270,24 @@ void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const fl
         const float* xr = x + int64_t(r) * cols;
         float* yr = y + int64_t(r) * w.rows + p * kPanel;
         switch (std::min(R, num_rows - r)) {
-          case 6: Kernel<DT>::template run<(R >= 6 ? 6 : 1)>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
-          case 5: Kernel<DT>::template run<(R >= 5 ? 5 : 1)>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
-          case 4: Kernel<DT>::template run<4>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
-          case 3: Kernel<DT>::template run<3>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
-          case 2: Kernel<DT>::template run<2>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
-          default: Kernel<DT>::template run<1>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1); break;
+          case 6:
+            Kernel<DT>::template run<(R >= 6 ? 6 : 1)>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1);
+            break;
+          case 5:
+            Kernel<DT>::template run<(R >= 5 ? 5 : 1)>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1);
+            break;
+          case 4:
+            Kernel<DT>::template run<4>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1);
+            break;
+          case 3:
+            Kernel<DT>::template run<3>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1);
+            break;
+          case 2:
+            Kernel<DT>::template run<2>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1);
+            break;
+          default:
+            Kernel<DT>::template run<1>(xr, cols, w, p, valid, b, yr, w.rows, i0, i1);
+            break;
         }
       }
     }
@@ -273,7 +303,8 @@ void linear_panels(const float* x, int num_rows, const PackedMatrix& w, const fl
           for (int j = 0; j < kPanel; ++j) acc[j] += xi * load_scalar<DT>(panel, int64_t(i) * kPanel + j);
         }
       }
-      for (int j = 0; j < valid; ++j) y[int64_t(r) * w.rows + p * kPanel + j] = acc[j] * w.out_scale + (b ? b[j] : 0.0f);
+      for (int j = 0; j < valid; ++j)
+        y[int64_t(r) * w.rows + p * kPanel + j] = acc[j] * w.out_scale + (b ? b[j] : 0.0f);
     }
 #endif
   }
@@ -322,8 +353,8 @@ PackedMatrix PackedMatrix::pack(const WeightView& w) {
       panel[i * (kPanel / 2) + j % 32] |= j < 32 ? code : uint8_t(code << 4);
     }
     for (int64_t g = 0; g < groups; ++g)
-      std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes, scales + (o * groups + g) * scale_bytes,
-                  scale_bytes);
+      std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes,
+                  scales + (o * groups + g) * scale_bytes, scale_bytes);
   }
   // nvfp4 group scales are E4M3 read as value / 256; the global scale carries the 256.
   m.out_scale = w.dtype == WeightDtype::kNVFP4 ? w.scale * 256.0f : 1.0f;
@@ -347,12 +378,24 @@ void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& 
       const float* xr = x + r0 * w.cols;
       float* yr = y + r0 * w.rows;
       switch (w.dtype) {
-        case WeightDtype::kF32: linear_panels<WeightDtype::kF32>(xr, n, w, bias, yr, p, p + 1); break;
-        case WeightDtype::kBF16: linear_panels<WeightDtype::kBF16>(xr, n, w, bias, yr, p, p + 1); break;
-        case WeightDtype::kF16: linear_panels<WeightDtype::kF16>(xr, n, w, bias, yr, p, p + 1); break;
-        case WeightDtype::kFP8: linear_panels<WeightDtype::kFP8>(xr, n, w, bias, yr, p, p + 1); break;
-        case WeightDtype::kNVFP4: linear_panels<WeightDtype::kNVFP4>(xr, n, w, bias, yr, p, p + 1); break;
-        case WeightDtype::kINT4: linear_panels<WeightDtype::kINT4>(xr, n, w, bias, yr, p, p + 1); break;
+        case WeightDtype::kF32:
+          linear_panels<WeightDtype::kF32>(xr, n, w, bias, yr, p, p + 1);
+          break;
+        case WeightDtype::kBF16:
+          linear_panels<WeightDtype::kBF16>(xr, n, w, bias, yr, p, p + 1);
+          break;
+        case WeightDtype::kF16:
+          linear_panels<WeightDtype::kF16>(xr, n, w, bias, yr, p, p + 1);
+          break;
+        case WeightDtype::kFP8:
+          linear_panels<WeightDtype::kFP8>(xr, n, w, bias, yr, p, p + 1);
+          break;
+        case WeightDtype::kNVFP4:
+          linear_panels<WeightDtype::kNVFP4>(xr, n, w, bias, yr, p, p + 1);
+          break;
+        case WeightDtype::kINT4:
+          linear_panels<WeightDtype::kINT4>(xr, n, w, bias, yr, p, p + 1);
+          break;
       }
     }
   });
@@ -386,7 +429,8 @@ void silu_and_mul(const float* gate_up, int num_rows, int inter, float* out) {
 #ifdef PRECAST_AVX512
     for (; i + 16 <= inter; i += 16) {  // a glibc expf per element cost more than the rest of the loop
       const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      const __m512 sig =
+          _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       _mm512_storeu_ps(o + i, _mm512_mul_ps(sig, _mm512_loadu_ps(u + i)));
     }
 #endif

@@ -1,7 +1,7 @@
 // CPU kernels of the generic decoder. Activations are float32; weight matrices are
 // float32, bfloat16, float16, or quantized (fp8 E4M3 per tensor, nvfp4, int4 groups) and
-// are widened / dequantized to float32 inside the inner loops (never materialized). Every kernel computes each output row with the same operations in the
-// same order whatever else is in the batch (batch invariance).
+// are widened / dequantized to float32 inside the inner loops (never materialized). Every kernel computes each output
+// row with the same operations in the same order whatever else is in the batch (batch invariance).
 #pragma once
 
 #include <cstdint>

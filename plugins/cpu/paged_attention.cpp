@@ -1,12 +1,12 @@
 #include "paged_attention.h"
 
-#include "quantize.h"
-#include "vec_math.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+
+#include "quantize.h"
+#include "vec_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -20,7 +20,7 @@ constexpr int kLanes = 16;
 constexpr int kTileRows = 12;  // query rows per tile (the GQA group x enough tokens to share each K/V load)
 constexpr int kQkRows = 6;     // query rows per QK pass: 6 rows x 2 key vectors = 12 accumulators
 constexpr int kPvRows = 4;     // query rows per PV pass: 4 rows x 4 output vectors = 16 accumulators
-constexpr int kPvSlab = 64;  // head_dim elements per PV pass
+constexpr int kPvSlab = 64;    // head_dim elements per PV pass
 // The row loops below carry `#pragma GCC unroll`: without it GCC keeps the accumulator arrays
 // in memory and stores every accumulator after each FMA (measured: attention ran 2x slower).
 
@@ -58,13 +58,13 @@ void qk_pass(const PagedKvLayer& c, int g, const float* q_t, const KeyChunk* ch,
   const T* k1 = c.k_tile<T>(c1.block, g) + c1.col;
   const __mmask16 m0 = first_lanes(c0.n), m1 = first_lanes(c1.n);
   __m512 a0[NR], a1[NR];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (int d = 0; d < c.head_dim; ++d) {
     const __m512 ka = load16(k0 + int64_t(d) * B, m0);
     const __m512 kb = load16(k1 + int64_t(d) * B, m1);
     const float* qd = q_t + d * NR;
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) {
       const __m512 qb = _mm512_set1_ps(qd[r]);
       a0[r] = _mm512_fmadd_ps(qb, ka, a0[r]);
@@ -72,7 +72,7 @@ void qk_pass(const PagedKvLayer& c, int g, const float* q_t, const KeyChunk* ch,
     }
   }
   const __m512 s = _mm512_set1_ps(scale);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r) {
     _mm512_mask_storeu_ps(scores + r * stride + (c0.j - base), m0, _mm512_mul_ps(a0[r], s));
     if (num_chunks > 1) _mm512_mask_storeu_ps(scores + r * stride + (c1.j - base), m1, _mm512_mul_ps(a1[r], s));
@@ -86,9 +86,11 @@ void softmax_row(float* s, int width, int first, int last, float value_scale) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   auto valid = [&](int i) {
     const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(i));
-    return __mmask16(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(first)) & _mm512_cmple_epi32_mask(idx, _mm512_set1_epi32(last)));
+    return __mmask16(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(first)) &
+                     _mm512_cmple_epi32_mask(idx, _mm512_set1_epi32(last)));
   };
-  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes) mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_maskz_loadu_ps(valid(i), s + i));
+  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes)
+    mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_maskz_loadu_ps(valid(i), s + i));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
   for (int i = 0; i < width; i += kLanes) {
@@ -98,7 +100,8 @@ void softmax_row(float* s, int width, int first, int last, float value_scale) {
     sum = _mm512_add_ps(sum, e);
   }
   const __m512 inv = _mm512_set1_ps(value_scale / _mm512_reduce_add_ps(sum));
-  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes)
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
 }
 
 // out_r[d0 .. d0 + 64) = sum_j p_r[j] v_j[d0 .. d0 + 64), keys in order. p_t holds the rows'
@@ -110,14 +113,15 @@ void pv_pass(const PagedKvLayer& c, int g, const QueryRow* rows, const std::vect
   const __mmask16 m0 = first_lanes(D - d0), m1 = first_lanes(D - d0 - 16), m2 = first_lanes(D - d0 - 32),
                   m3 = first_lanes(D - d0 - 48);
   __m512 a0[NR], a1[NR], a2[NR], a3[NR];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
   for (const KeyChunk& ch : chunks) {
     const T* vrow = c.v_tile<T>(ch.block, g) + int64_t(ch.col) * D + d0;
     const float* p = p_t + int64_t(ch.j - base) * NR;
     for (int k = 0, n = ch.n; k < n; ++k, vrow += D, p += NR) {
-      const __m512 w0 = load16(vrow, m0), w1 = load16(vrow + 16, m1), w2 = load16(vrow + 32, m2), w3 = load16(vrow + 48, m3);
-      #pragma GCC unroll 16
+      const __m512 w0 = load16(vrow, m0), w1 = load16(vrow + 16, m1), w2 = load16(vrow + 32, m2),
+                   w3 = load16(vrow + 48, m3);
+#pragma GCC unroll 16
       for (int r = 0; r < NR; ++r) {
         const __m512 pb = _mm512_set1_ps(p[r]);
         a0[r] = _mm512_fmadd_ps(pb, w0, a0[r]);
@@ -127,7 +131,7 @@ void pv_pass(const PagedKvLayer& c, int g, const QueryRow* rows, const std::vect
       }
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r) {
     float* o = rows[r].out + d0;
     _mm512_mask_storeu_ps(o, m0, a0[r]);
@@ -161,8 +165,9 @@ inline float load1(const uint8_t* p) { return e4m3_div256(*p); }
 
 // One tile: the query rows of one sequence and kv head, scores for keys [base, end).
 template <class T>
-void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const std::vector<QueryRow>& rows, float scale,
-                    std::vector<KeyChunk>& chunks, std::vector<float>& scores, std::vector<float>& staged) {
+void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const std::vector<QueryRow>& rows,
+                    float scale, std::vector<KeyChunk>& chunks, std::vector<float>& scores,
+                    std::vector<float>& staged) {
   const int B = c.tokens_per_block, D = c.head_dim, R = int(rows.size());
   constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
   const float score_scale = kFp8 ? scale * c.k_scale * 256.0f : scale;
@@ -177,7 +182,8 @@ void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const 
     chunks.push_back({j, block_table[j / B], col, n});
     j += n;
   }
-  scores.resize(size_t(R) * width);  // no zero fill: every entry read is written first (QK, then softmax over the width)
+  scores.resize(size_t(R) *
+                width);  // no zero fill: every entry read is written first (QK, then softmax over the width)
 #ifdef PRECAST_ATTN_AVX512
   for (int r0 = 0; r0 < R; r0 += kQkRows) {
     const int nr = std::min(kQkRows, R - r0);
@@ -185,10 +191,11 @@ void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const 
     for (int d = 0; d < D; ++d)
       for (int r = 0; r < nr; ++r) staged[size_t(d) * nr + r] = rows[r0 + r].q[d];
     for (size_t ci = 0; ci < chunks.size(); ci += 2)
-      qk_rows<T>(nr, c, g, staged.data(), chunks.data() + ci, int(std::min<size_t>(2, chunks.size() - ci)), base, score_scale,
-                 scores.data() + size_t(r0) * width, width);
+      qk_rows<T>(nr, c, g, staged.data(), chunks.data() + ci, int(std::min<size_t>(2, chunks.size() - ci)), base,
+                 score_scale, scores.data() + size_t(r0) * width, width);
   }
-  for (int r = 0; r < R; ++r) softmax_row(scores.data() + size_t(r) * width, width, rows[r].lo - base, rows[r].pos - base, value_scale);
+  for (int r = 0; r < R; ++r)
+    softmax_row(scores.data() + size_t(r) * width, width, rows[r].lo - base, rows[r].pos - base, value_scale);
   for (int r0 = 0; r0 < R; r0 += kPvRows) {
     const int nr = std::min(kPvRows, R - r0);
     staged.resize(size_t(width) * nr);
@@ -267,7 +274,8 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vec
   std::vector<Tile> tiles;
   for (int s = 0; s < int(seqs.size()); ++s)
     for (int t0 = 0; t0 < seqs[s].num_tokens; t0 += tokens_per_tile)
-      for (int g = 0; g < cache.num_kv_heads; ++g) tiles.push_back({s, g, t0, std::min(tokens_per_tile, seqs[s].num_tokens - t0)});
+      for (int g = 0; g < cache.num_kv_heads; ++g)
+        tiles.push_back({s, g, t0, std::min(tokens_per_tile, seqs[s].num_tokens - t0)});
   const int64_t n = int64_t(tiles.size());
   pool.parallel_for(n, [&](int64_t begin, int64_t end) {
     std::vector<QueryRow> rows;
@@ -283,8 +291,10 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vec
         for (int h = tile.kv_head * group; h < (tile.kv_head + 1) * group; ++h)
           rows.push_back({q + row * q_stride + int64_t(h) * D, out + (row * num_heads + h) * D, lo, pos});
       }
-      if (cache.fp8) attention_tile<uint8_t>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores, staged);
-      else attention_tile<float>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores, staged);
+      if (cache.fp8)
+        attention_tile<uint8_t>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores, staged);
+      else
+        attention_tile<float>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores, staged);
     }
   });
 }

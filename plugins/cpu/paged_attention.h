@@ -36,9 +36,13 @@ struct PagedKvLayer {
     return (int64_t(block) * num_kv_heads + kv_head) * tokens_per_block * head_dim;
   }
   template <class T>
-  T* k_tile(int block, int kv_head) const { return static_cast<T*>(k) + tile_index(block, kv_head); }
+  T* k_tile(int block, int kv_head) const {
+    return static_cast<T*>(k) + tile_index(block, kv_head);
+  }
   template <class T>
-  T* v_tile(int block, int kv_head) const { return static_cast<T*>(v) + tile_index(block, kv_head); }
+  T* v_tile(int block, int kv_head) const {
+    return static_cast<T*>(v) + tile_index(block, kv_head);
+  }
 };
 
 struct AttentionSequence {

@@ -52,7 +52,9 @@ inline __m512 e4m3x16_div256(__m128i bytes) {
   const __m256i s = _mm256_cvtepi8_epi16(bytes);
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(short(0xBFFF))));
 }
-inline __m512 e4m3x16_div256(const uint8_t* p) { return e4m3x16_div256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512 e4m3x16_div256(const uint8_t* p) {
+  return e4m3x16_div256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #endif
 
 // out = e4m3(clip(x / scale)) * scale, element-wise (fp8 static activation quantization).

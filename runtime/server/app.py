@@ -75,12 +75,25 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "precast",
-                                            "max_model_len": llm.max_seq_len, "vocab_size": llm.engine.config.model.vocab_size}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "precast",
+                    "max_model_len": llm.max_seq_len,
+                    "vocab_size": llm.engine.config.model.vocab_size,
+                }
+            ],
+        }
 
     def check_model(name: str) -> None:
         if name != model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.", param="model", code="model_not_found")
+            raise OpenAIError(
+                404, f"The model `{name}` does not exist; this server serves `{model_name}`.", param="model", code="model_not_found"
+            )
 
     def check_length(prompt_ids: list[int], max_tokens: int, param: str) -> None:
         if not prompt_ids:
@@ -181,22 +194,31 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": out.logprobs[start:],
-                "top_logprobs": [{token_text(t): lp for t, lp in top} for top in out.top_logprobs[start:]], "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": out.logprobs[start:],
+            "top_logprobs": [{token_text(t): lp for t, lp in top} for top in out.top_logprobs[start:]],
+            "text_offset": offsets,
+        }
 
     def chat_logprobs(out: RequestOutput, start: int = 0) -> dict[str, Any]:
         def entry(t: int, lp: float) -> dict[str, Any]:
             text = token_text(t)
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-        return {"content": [entry(t, lp) | {"top_logprobs": [entry(tt, tlp) for tt, tlp in top]}
-                            for t, lp, top in zip(out.token_ids[start:], out.logprobs[start:], out.top_logprobs[start:])]}
+        return {
+            "content": [
+                entry(t, lp) | {"top_logprobs": [entry(tt, tlp) for tt, tlp in top]}
+                for t, lp, top in zip(out.token_ids[start:], out.logprobs[start:], out.top_logprobs[start:])
+            ]
+        }
 
     def finish_reason(out: RequestOutput) -> str | None:
         return None if out.finish_reason is None else ("length" if out.finish_reason == "length" else "stop")
 
-    async def stream_events(jobs: list[tuple[list[int], Any]], arrival: float, base: dict[str, Any], choice: Any,
-                            options: Any, preamble: list[dict[str, Any]]) -> AsyncIterator[str]:
+    async def stream_events(
+        jobs: list[tuple[list[int], Any]], arrival: float, base: dict[str, Any], choice: Any, options: Any, preamble: list[dict[str, Any]]
+    ) -> AsyncIterator[str]:
         """Server-sent events for all choices: `choice(i, output, first_new_token)` builds each chunk's choice."""
         for event in preamble:
             yield sse(event)
@@ -254,8 +276,15 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
 
         if not body.stream:
             outs = await collect_all(request, jobs, arrival)
-            choices = [{"index": i, "text": o.text, "finish_reason": finish_reason(o),
-                        "logprobs": completion_logprobs(o) if body.logprobs is not None else None} for i, o in enumerate(outs)]
+            choices = [
+                {
+                    "index": i,
+                    "text": o.text,
+                    "finish_reason": finish_reason(o),
+                    "logprobs": completion_logprobs(o) if body.logprobs is not None else None,
+                }
+                for i, o in enumerate(outs)
+            ]
             return base | {"choices": choices, "usage": usage(outs, [p for p, _ in jobs])}
 
         def choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
@@ -297,8 +326,15 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
 
         if not body.stream:
             outs = await collect_all(request, jobs, arrival)
-            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": finish_reason(o),
-                        "logprobs": chat_logprobs(o) if body.logprobs else None} for i, o in enumerate(outs)]
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": o.text},
+                    "finish_reason": finish_reason(o),
+                    "logprobs": chat_logprobs(o) if body.logprobs else None,
+                }
+                for i, o in enumerate(outs)
+            ]
             return base | {"object": "chat.completion", "choices": choices, "usage": usage(outs, [p for p, _ in jobs])}
 
         chunk = base | {"object": "chat.completion.chunk"}
@@ -308,8 +344,10 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
             delta = {"content": out.delta} if out.delta else {}
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason(out)}
 
-        first = [chunk | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-                 for i in range(len(jobs))]
+        first = [
+            chunk | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            for i in range(len(jobs))
+        ]
         events = stream_events(jobs, arrival, chunk, choice, body.stream_options, preamble=first)
         return StreamingResponse(guarded_stream(events), media_type="text/event-stream")
 

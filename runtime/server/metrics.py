@@ -50,12 +50,27 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_ExecutorCollector(llm, model))
         self.model = model
-        self.ttft = Histogram("precast_time_to_first_token_seconds", "Time from request arrival to its first token.",
-                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("precast_inter_token_latency_seconds", "Time between consecutive output tokens of a request.",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("precast_e2e_request_latency_seconds", "Time from request arrival to its last token.",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "precast_time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "precast_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "precast_e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def observe_token(self, arrival: float, last: float | None, now: float, num_new: int) -> None:
         if last is None:

@@ -27,6 +27,7 @@ except ImportError:  # imported outside Triton (docs, tests of the helpers below
     pb_utils = None
 
 from precast.errors import PrecastError
+from precast.runtime.llm import LLM
 from precast.runtime.sampling_params import SamplingParams
 
 # Optional scalar inputs -> (SamplingParams field, type).
@@ -101,8 +102,6 @@ def parse_request(get: Any, tokenizer: Any) -> tuple[list[int] | str, SamplingPa
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
-        from precast.runtime.llm import LLM
-
         config = json.loads(args["model_config"])
         p = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
@@ -180,8 +179,9 @@ class TritonPythonModel:
             self.stopped.discard(triton_id)
             if final is not None and final.finish_reason == "cancelled" and stopped:
                 # Ended by the client's own `stop` request: a normal final response.
-                return self._finish(sender, pb_utils.InferenceResponse(output_tensors=self._outputs(
-                    final, flags, prompt_ids, prefix + final.text)))
+                return self._finish(
+                    sender, pb_utils.InferenceResponse(output_tensors=self._outputs(final, flags, prompt_ids, prefix + final.text))
+                )
             client_gone = cancel_watch.done() or (sender is not None and sender.is_cancelled())
             if final is None or (client_gone and not final.finished) or final.finish_reason == "cancelled":
                 error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)

@@ -6,7 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from precast.builder.engine import load_engine
+from precast.engine.directory import load_engine
 from precast.errors import PrecastError
 
 # (name, Triton type, dims) of every input; all optional, the model checks that a prompt is present.
@@ -47,8 +47,16 @@ from precast.runtime.triton.model import TritonPythonModel  # noqa: F401
 '''
 
 
-def config_pbtxt(name: str, engine: Path, decoupled: bool, instances: int, kv_cache_memory: int | None,
-                 chunked_prefill: bool, prefix_reuse: bool, num_threads: int | None) -> str:
+def config_pbtxt(
+    name: str,
+    engine: Path,
+    decoupled: bool,
+    instances: int,
+    kv_cache_memory: int | None,
+    chunked_prefill: bool,
+    prefix_reuse: bool,
+    num_threads: int | None,
+) -> str:
     def io(entries: list[tuple[str, str, str]], optional: bool) -> str:
         opt = " optional: true" if optional else ""
         return ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d}{opt} }}' for n, t, d in entries)
@@ -71,9 +79,18 @@ def config_pbtxt(name: str, engine: Path, decoupled: bool, instances: int, kv_ca
     )
 
 
-def write_model_repository(engine: str | Path, output: str | Path, model_name: str = "precast", decoupled: bool = True,
-                           instances: int = 1, kv_cache_memory: int | None = None, chunked_prefill: bool = True,
-                           prefix_reuse: bool = True, num_threads: int | None = None, force: bool = False) -> Path:
+def write_model_repository(
+    engine: str | Path,
+    output: str | Path,
+    model_name: str = "precast",
+    decoupled: bool = True,
+    instances: int = 1,
+    kv_cache_memory: int | None = None,
+    chunked_prefill: bool = True,
+    prefix_reuse: bool = True,
+    num_threads: int | None = None,
+    force: bool = False,
+) -> Path:
     engine_path = Path(engine)
     load_engine(engine_path)  # refuse a missing or broken engine now, not when Triton loads it
     if instances < 1:

@@ -78,8 +78,9 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
     return cmd, env
 
 
-def run_tritonserver(repo: str | Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                     extra: list[str] | None = None) -> None:
+def run_tritonserver(
+    repo: str | Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002, extra: list[str] | None = None
+) -> None:
     cmd, env = server_command(Path(repo), http_port, grpc_port, metrics_port, extra or [])
     print("precast triton:", " ".join(cmd), flush=True)
     os.execve(cmd[0], cmd, env)  # become tritonserver: signals and exit status are its own

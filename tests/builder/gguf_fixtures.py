@@ -60,13 +60,19 @@ def write_tiny_llama_gguf(path: Path, types: dict[str, str], seed: int = 0, tied
     if not tied:
         shapes["output.weight"] = (vocab, hidden)
     for i in range(layers):
-        shapes.update({
-            f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-            f"blk.{i}.attn_q.weight": (heads * head_dim, hidden), f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
-            f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
-            f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
-            f"blk.{i}.ffn_down.weight": (hidden, ffn),
-        })
+        shapes.update(
+            {
+                f"blk.{i}.attn_norm.weight": (hidden,),
+                f"blk.{i}.ffn_norm.weight": (hidden,),
+                f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
+                f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+                f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+                f"blk.{i}.attn_output.weight": (hidden, hidden),
+                f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+                f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                f"blk.{i}.ffn_down.weight": (hidden, ffn),
+            }
+        )
     for name, shape in shapes.items():
         suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
         qtype = types.get(suffix, "F32") if len(shape) == 2 else "F32"
@@ -76,8 +82,7 @@ def write_tiny_llama_gguf(path: Path, types: dict[str, str], seed: int = 0, tied
             w.add_tensor(name, rng.standard_normal(shape).astype(np.float16))
         elif qtype == "BF16":
             bits = (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-            w.add_tensor(name, bits.view(np.uint8).reshape(shape[0], -1),
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+            w.add_tensor(name, bits.view(np.uint8).reshape(shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
             raw = random_quantized(qtype, *shape, rng)
             w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])

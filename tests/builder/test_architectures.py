@@ -8,9 +8,9 @@ import torch
 
 from precast.builder.architectures import find_architecture
 from precast.builder.build import BuildOptions, build_engine
-from precast.builder.engine import load_engine
-from precast.builder.rope import rope_parameters
-from precast.builder.spec import ModelSpec
+from precast.engine.directory import load_engine
+from precast.engine.rope import rope_parameters
+from precast.engine.spec import ModelSpec
 from tests.conftest import TINY_CONFIGS
 
 # Canonical engine tensor -> HF tensors it is made of (concatenated along dim 0).

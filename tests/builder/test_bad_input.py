@@ -11,8 +11,8 @@ import pytest
 
 from precast.builder.build import BuildOptions, build_engine
 from precast.builder.checkpoint import open_checkpoint
-from precast.builder.engine import load_engine
-from precast.builder.safetensors_file import SafetensorsFile, SafetensorsWriter
+from precast.engine.directory import load_engine
+from precast.engine.safetensors_file import SafetensorsFile, SafetensorsWriter
 from precast.errors import PrecastError
 from tests.builder.gguf_fixtures import write_tiny_llama_gguf
 
@@ -49,7 +49,9 @@ def test_unknown_architecture_lists_supported(ckpt, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(PrecastError, match=r"GPTNeoXForCausalLM is not supported.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        PrecastError, match=r"GPTNeoXForCausalLM is not supported.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"
+    ):
         build(ckpt, tmp_path / "engine")
     assert_nothing_left(tmp_path)
 

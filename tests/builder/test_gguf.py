@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import torch
 
 from precast.builder.build import BuildOptions, build_engine
 from precast.builder.checkpoint import open_checkpoint
-from precast.builder.engine import load_engine
+from precast.engine.directory import load_engine
 from tests.builder.gguf_fixtures import write_tiny_llama_gguf
 
 QUANT_MIX = {

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from precast import _C
-from precast.quantization.formats import (
+from precast.engine.formats import (
     fake_quant_fp8_activation,
     fake_quant_nvfp4_activation,
     quantize_fp8,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from precast.builder.engine import load_engine
+from precast.engine.directory import load_engine
 from precast.quantization.quality import compare, heldout_windows
 
 BOUNDS = {  # recipe: (perplexity ratio, mean KL, top-1 agreement at least)
@@ -25,8 +25,11 @@ BOUNDS = {  # recipe: (perplexity ratio, mean KL, top-1 agreement at least)
     "int4_awq": (1.45, 0.35, 0.70),
     "nvfp4": (1.75, 0.55, 0.58),
 }
-FACTS = [("What is the capital of France?", "Paris"), ("What is the capital of Japan?", "Tokyo"),
-         ("How many days are there in a week?", "7")]
+FACTS = [
+    ("What is the capital of France?", "Paris"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("How many days are there in a week?", "7"),
+]
 
 
 @pytest.mark.parametrize("recipe", list(BOUNDS))

@@ -13,19 +13,20 @@ import pytest
 import torch
 
 from precast.builder.build import BuildOptions, build_engine
-from precast.builder.engine import load_engine
-from precast.builder.safetensors_file import SafetensorsWriter
-from precast.errors import PrecastError
-from precast.quantization import awq
-from precast.quantization.formats import (
+from precast.engine.directory import load_engine
+from precast.engine.formats import (
     Int4Tensor,
     Nvfp4Tensor,
     fake_quant_fp8_activation,
     fake_quant_nvfp4_activation,
     quantize_int4,
 )
+from precast.engine.safetensors_file import SafetensorsWriter
+from precast.engine.tensors import linear_shapes
+from precast.errors import PrecastError
+from precast.quantization import awq
 from precast.quantization.quantize import fold_awq
-from precast.quantization.recipe import QuantOptions, linear_shapes
+from precast.quantization.recipe import QuantOptions
 from precast.runtime.cpu_backend import make_cpu_runner
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
@@ -33,8 +34,12 @@ RNG = np.random.default_rng(3)
 CALIB = tuple(tuple(RNG.integers(0, 128, 48).tolist()) for _ in range(4))
 PROMPT = RNG.integers(0, 128, 40).tolist()
 
-HF_LINEARS = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn.o": ("self_attn.o_proj",),
-              "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down": ("mlp.down_proj",)}
+HF_LINEARS = {
+    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.o": ("self_attn.o_proj",),
+    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down": ("mlp.down_proj",),
+}
 
 
 def dequantized(engine, layer: str, entry: dict) -> np.ndarray:
@@ -56,7 +61,7 @@ def hf_twin(engine, checkpoint):
     # from_config, not from_pretrained (which modelopt patches once imported): every weight is replaced below.
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32).eval()
     spec = engine.config.model
-    layers = engine.config.quant.get("layers", {})
+    layers = engine.config.quant.to_dict().get("layers", {})
     state = {}
     for name in engine.weights.tensors:
         if name.endswith(".weight_scale"):
@@ -66,9 +71,14 @@ def hf_twin(engine, checkpoint):
         state[name] = torch.from_numpy(np.ascontiguousarray(array))
     hf_state = {}
     sizes = {"attn.qkv": [spec.q_size, spec.kv_size, spec.kv_size], "mlp.gate_up": [spec.intermediate_size] * 2}
-    simple = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-              "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
-              "attn.o.weight": "self_attn.o_proj.weight", "mlp.down.weight": "mlp.down_proj.weight"}
+    simple = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "mlp_norm.weight": "post_attention_layernorm.weight",
+        "attn.q_norm.weight": "self_attn.q_norm.weight",
+        "attn.k_norm.weight": "self_attn.k_norm.weight",
+        "attn.o.weight": "self_attn.o_proj.weight",
+        "mlp.down.weight": "mlp.down_proj.weight",
+    }
     for name, t in state.items():
         if name == "embed.weight":
             hf_state["model.embed_tokens.weight"] = t
@@ -97,6 +107,7 @@ def hf_twin(engine, checkpoint):
             else:
                 q = fake_quant_nvfp4_activation(x, entry["input_global_scale"])
             return (torch.from_numpy(q).reshape(args[0].shape),)
+
         return hook
 
     for layer, entry in layers.items():
@@ -111,17 +122,26 @@ def hf_twin(engine, checkpoint):
     return model
 
 
-CASES = [("llama", "fp8", False), ("qwen2", "fp8", True), ("llama3", "nvfp4", True), ("qwen3", "nvfp4", False),
-         ("mistral", "int4_awq", False), ("llama3", "int4_awq", True)]
+CASES = [
+    ("llama", "fp8", False),
+    ("qwen2", "fp8", True),
+    ("llama3", "nvfp4", True),
+    ("qwen3", "nvfp4", False),
+    ("mistral", "int4_awq", False),
+    ("llama3", "int4_awq", True),
+]
 
 
 @pytest.mark.parametrize("name,recipe,lm_head", CASES)
 def test_quantized_engine_matches_transformers_on_the_same_quantization(name, recipe, lm_head, tiny_checkpoints, tmp_path):
     out = tmp_path / "engine"
-    build_engine(BuildOptions(tiny_checkpoints[name], out, progress=False,
-                              quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB)))
+    build_engine(
+        BuildOptions(
+            tiny_checkpoints[name], out, progress=False, quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB)
+        )
+    )
     engine = load_engine(out)
-    q = engine.config.quant
+    q = engine.config.quant.to_dict()
     assert q["recipe"] == recipe and q["lm_head"] == lm_head
     assert len(q["layers"]) == 4 * engine.config.model.num_layers + lm_head
     assert q["calibration"]["samples"] == len(CALIB)
@@ -156,8 +176,11 @@ def test_awq_folding_preserves_the_full_precision_model(tiny_checkpoints, tmp_pa
     targets = awq.fold_targets(0, spec.num_heads, spec.num_kv_heads)
     assert all(targets.values()), "every layer foldable when heads are not grouped"
     shapes = linear_shapes(spec)
-    scales = {layer: awq.AwqScale(RNG.uniform(0.5, 2.0, shapes[layer][1]).astype(np.float32), 0.5, 0.0, 0.0)
-              for i in range(spec.num_layers) for layer in awq.fold_targets(i, spec.num_heads, spec.num_kv_heads)}
+    scales = {
+        layer: awq.AwqScale(RNG.uniform(0.5, 2.0, shapes[layer][1]).astype(np.float32), 0.5, 0.0, 0.0)
+        for i in range(spec.num_layers)
+        for layer in awq.fold_targets(i, spec.num_heads, spec.num_kv_heads)
+    }
     shutil.copytree(tmp_path / "full", tmp_path / "folded")
     layout = [(n, full.weights.read(n).dtype, info.shape) for n, info in full.weights.tensors.items()]
     with open(tmp_path / "folded" / "weights.safetensors", "wb") as f:
@@ -191,8 +214,8 @@ def test_fp8_kv_cache_matches_transformers_with_quantized_k_and_v(tiny_checkpoin
     build_engine(BuildOptions(ckpt, tmp_path / "full", progress=False))
     build_engine(BuildOptions(ckpt, tmp_path / "kv8", progress=False, quant=QuantOptions(kv_cache_dtype="fp8", calib_tokens=CALIB)))
     engine = load_engine(tmp_path / "kv8")
-    assert engine.config.limits.kv_cache_dtype == "fp8" and engine.config.quant["recipe"] == "none"
-    kv = engine.config.quant["kv_cache"]
+    assert engine.config.limits.kv_cache_dtype == "fp8" and engine.config.quant.recipe == "none"
+    kv = engine.config.quant.to_dict()["kv_cache"]
     assert len(kv["k_scales"]) == engine.config.model.num_layers and min(kv["k_scales"] + kv["v_scales"]) > 0
     full = load_engine(tmp_path / "full")
     for name in full.weights.tensors:  # weights untouched: only the cache is E4M3
@@ -233,8 +256,11 @@ def test_quantized_engine_generates_through_the_executor(tiny_checkpoints, tmp_p
     from precast import LLM, SamplingParams
 
     out = tmp_path / "engine"
-    build_engine(BuildOptions(tiny_checkpoints["llama"], out, progress=False,
-                              quant=QuantOptions(recipe="nvfp4", kv_cache_dtype="fp8", calib_tokens=CALIB)))
+    build_engine(
+        BuildOptions(
+            tiny_checkpoints["llama"], out, progress=False, quant=QuantOptions(recipe="nvfp4", kv_cache_dtype="fp8", calib_tokens=CALIB)
+        )
+    )
     runner = make_cpu_runner(load_engine(out))
     expected = []
     tokens = list(PROMPT)
@@ -262,8 +288,10 @@ def test_bad_quantized_builds_and_engines(tiny_checkpoints, tmp_path):
     for mutate, message in [
         (lambda c: c["quant"].update(recipe="int3"), "recipe 'int3'"),
         (lambda c: c["quant"]["layers"]["layers.0.attn.o"].pop("input_scale"), "no valid input_scale"),
-        (lambda c: c["quant"]["layers"]["layers.1.mlp.down"].update(format="nvfp4", weight_global_scale=1, input_global_scale=1),
-         "layers.1.mlp.down.weight is F8_E4M3"),
+        (
+            lambda c: c["quant"]["layers"]["layers.1.mlp.down"].update(format="nvfp4", weight_global_scale=1, input_global_scale=1),
+            "layers.1.mlp.down.weight is F8_E4M3",
+        ),
         (lambda c: c["quant"]["layers"].pop("layers.2.attn.qkv"), "layers.2.attn.qkv.weight is F8_E4M3"),
     ]:
         broken = json.loads(json.dumps(original))
@@ -292,8 +320,8 @@ def test_modelopt_fp8_export_builds_without_recalibration(tmp_path):
 
     result = build_engine(BuildOptions(tmp_path / "fp8", tmp_path / "engine", progress=False))
     engine = load_engine(tmp_path / "engine")
-    q = engine.config.quant
-    assert result.config.quant["recipe"] == "fp8" and "not recalibrated" in q["source"] and "calibration" not in q
+    q = engine.config.quant.to_dict()
+    assert result.config.quant.recipe == "fp8" and "not recalibrated" in q["source"] and "calibration" not in q
     assert len(q["layers"]) == 4 * engine.config.model.num_layers and not q["lm_head"]
     exported = safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt")
 

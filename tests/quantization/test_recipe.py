@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import pytest
 
-from precast.builder.spec import ModelSpec
+from precast.engine.spec import ModelSpec
 from precast.errors import PrecastError
-from precast.quantization.recipe import QuantOptions, check_quant_section, plan_layers
+from precast.quantization.recipe import QuantOptions, plan_layers
 
 
 def spec(hidden: int = 576, inter: int = 1536, tied: bool = True) -> ModelSpec:
-    return ModelSpec(architecture="llama", vocab_size=1000, hidden_size=hidden, intermediate_size=inter, num_layers=2,
-                     num_heads=9, num_kv_heads=3, head_dim=64, norm_eps=1e-5, activation="silu", rope_theta=10000.0,
-                     rope_scaling=None, max_position_embeddings=2048, qkv_bias=False, qk_norm=False, sliding_window=None,
-                     sliding_window_layers=(), tie_word_embeddings=tied)
+    return ModelSpec(
+        architecture="llama",
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=2,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        norm_eps=1e-5,
+        activation="silu",
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=2048,
+        qkv_bias=False,
+        qk_norm=False,
+        sliding_window=None,
+        sliding_window_layers=(),
+        tie_word_embeddings=tied,
+    )
 
 
 def test_default_plan_covers_every_linear_but_not_the_head():
@@ -68,21 +84,3 @@ def test_shape_the_format_cannot_take_names_the_layer():
 def test_bad_options(options, message):
     with pytest.raises(PrecastError, match=message):
         options.check()
-
-
-def test_quant_section_checks():
-    s = spec()
-    good = {"recipe": "fp8", "layers": {"layers.0.attn.o": {"format": "fp8", "weight_scale": 0.1, "input_scale": 0.2}}}
-    check_quant_section(good, s, "auto", "x")
-    bad = [
-        ({"recipe": "fp6"}, "auto", "recipe 'fp6'"),
-        ({"recipe": "fp8", "layers": {"layers.9.attn.o": {"format": "fp8"}}}, "auto", "not a layer of this model"),
-        ({"recipe": "fp8", "layers": {"layers.0.attn.o": {"format": "fp8", "weight_scale": 0.1}}}, "auto", "no valid input_scale"),
-        ({"recipe": "fp8", "layers": {"layers.0.attn.o": {"format": "fp8", "weight_scale": -1, "input_scale": 1}}}, "auto", "weight_scale"),
-        ({"recipe": "int4_awq", "layers": {"layers.0.attn.o": {"format": "int4", "group_size": 100}}}, "auto", "does not divide"),
-        ({"recipe": "none"}, "fp8", "fp8 KV cache needs 2 positive k_scales"),
-        ({"recipe": "none"}, "int8", "KV cache dtype 'int8'"),
-    ]
-    for quant, kv, message in bad:
-        with pytest.raises(PrecastError, match=message):
-            check_quant_section(quant, s, kv, "engine/config.json")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from precast.builder.engine import load_engine
+from precast.engine.directory import load_engine
 from precast.runtime import SamplingParams
 from precast.runtime.detokenizer import IncrementalDetokenizer
 from precast.runtime.tokenizer import Tokenizer

@@ -85,6 +85,31 @@ def test_chunked_prefill_and_preemption_match_unconstrained(smollm2_bf16_engine,
         tight.check_integrity()
 
 
+def test_prefix_statistics_count_each_request_once_under_retries_and_preemption(smollm2_bf16_engine):
+    """Requests that wait for memory are matched against the cache at every admission attempt, and a
+    preempted one again when it is re-admitted; the statistics count each request's prompt once."""
+    shared = random_prompts(1, seed=11, lo=96, hi=97)[0]
+    tails = random_prompts(6, seed=12, lo=10, hi=60)
+    prompts = [shared + tail for tail in tails]
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # 5 x ~8 blocks do not fit in 16
+    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48) as tight:
+        assert tight._executor.num_kv_blocks == 16
+        first = tight.generate(prompts[0], params)  # caches the shared prefix
+        before = tight.stats()
+        outs = tight.generate(prompts[1:], params)
+        after = tight.stats()
+        assert after.preemptions > before.preemptions  # re-admissions happened
+        block = tight.engine.config.limits.tokens_per_block
+        cached = [o.num_cached_tokens for o in outs]
+        assert any(cached) and all(c % block == 0 for c in cached)
+        assert after.kv.prefix_hit_tokens - before.kv.prefix_hit_tokens == sum(cached)
+        assert after.kv.reused_blocks - before.kv.reused_blocks == sum(cached) // block
+        assert after.kv.prefix_query_tokens - before.kv.prefix_query_tokens == sum(len(p) for p in prompts[1:])
+        assert first.num_cached_tokens == 0
+        wait_idle(tight)
+        tight.check_integrity()
+
+
 def test_cancel_mid_stream_frees_blocks(smollm2_llm):
     llm = smollm2_llm
     stream = llm.stream(random_prompts(1, seed=6, lo=150, hi=151)[0], SamplingParams(max_tokens=500, ignore_eos=True))
@@ -135,13 +160,17 @@ def test_many_random_requests_complete(tiny_engines):
         prompts = [rng.integers(0, 128, int(rng.integers(1, 120))).tolist() for _ in range(300)]
         params = [
             SamplingParams(
-                max_tokens=int(rng.integers(1, 40)), temperature=float(rng.choice([0.0, 0.7, 1.3])),
-                top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.8])), seed=int(rng.integers(0, 1000)),
-                repetition_penalty=float(rng.choice([1.0, 1.2])), logprobs=int(rng.choice([0, 3])),
+                max_tokens=int(rng.integers(1, 40)),
+                temperature=float(rng.choice([0.0, 0.7, 1.3])),
+                top_k=int(rng.choice([0, 5])),
+                top_p=float(rng.choice([1.0, 0.8])),
+                seed=int(rng.integers(0, 1000)),
+                repetition_penalty=float(rng.choice([1.0, 1.2])),
+                logprobs=int(rng.choice([0, 3])),
             )
             for _ in prompts
         ]
-        trackers = [llm._submit(p, sp, False, lambda t: (lambda r, t=t: t.update(r))) for p, sp in zip(prompts, params)]
+        trackers = [llm._submit(p, sp, False, lambda t: lambda r, t=t: t.update(r)) for p, sp in zip(prompts, params)]
         deadline = time.time() + 300
         while any(not t.out.finished for t in trackers) and time.time() < deadline:
             time.sleep(0.05)

@@ -22,6 +22,8 @@ def test_prefix_reuse_counts_and_lru():
     # Same prompt: 3 blocks reused (the last token is always recomputed).
     assert kv.match_prefix(2, tokens) == 12
     assert kv.block_table(2)[:3] == [0, 1, 2]
+    assert kv.stats().reused_blocks == 0  # matching counts nothing: the scheduler counts at admission
+    kv.count_prefix_lookup(len(tokens), 12)
     assert kv.stats().reused_blocks == 3
     # A prompt sharing only the first block.
     other = tokens[:4] + [99] * 9

@@ -14,11 +14,16 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     """HF greedy continuation and the log-softmax of its first step."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
-            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     first = torch.log_softmax(out.scores[0][0].float(), dim=-1).numpy()
-    return out.sequences[0, len(prompt_ids):].tolist(), first
+    return out.sequences[0, len(prompt_ids) :].tolist(), first
 
 
 def check_first_step_logprobs(ours, hf_logprobs: np.ndarray) -> None:
@@ -117,8 +122,17 @@ def test_small_kv_blocks_and_chunked_prefill_match_hf_exactly(tokens_per_block, 
     from precast.builder.build import BuildOptions, build_engine
 
     name = "mistral"  # sliding window of 8 tokens on some layers, GQA
-    build_engine(BuildOptions(tiny_checkpoints[name], tmp_path / "e", max_seq_len=256, tokens_per_block=tokens_per_block,
-                              max_num_tokens=64, max_batch_size=8, progress=False))
+    build_engine(
+        BuildOptions(
+            tiny_checkpoints[name],
+            tmp_path / "e",
+            max_seq_len=256,
+            tokens_per_block=tokens_per_block,
+            max_num_tokens=64,
+            max_batch_size=8,
+            progress=False,
+        )
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32).eval()
     prompt = np.random.default_rng(3).integers(0, TINY_CONFIGS[name][1]["vocab_size"], 45).tolist()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
@@ -132,5 +146,5 @@ def test_small_kv_blocks_and_chunked_prefill_match_hf_exactly(tokens_per_block, 
     with torch.no_grad():
         for _ in range(24):
             want.append(int(model(torch.tensor([want])).logits[0, -1].argmax()))
-    assert pieces.token_ids == whole.token_ids == want[len(prompt):]
+    assert pieces.token_ids == whole.token_ids == want[len(prompt) :]
     assert pieces.top_logprobs == whole.top_logprobs

@@ -29,9 +29,24 @@ def server(smollm2_bf16_engine):
     exe = shutil.which("precast")
     cmd = [exe] if exe else [sys.executable, "-m", "precast"]
     proc = subprocess.Popen(
-        [*cmd, "serve", str(smollm2_bf16_engine), "--port", str(port), "--served-model-name", MODEL,
-         "--kv-cache-memory", "512MiB", "--api-key", "sk-test", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            *cmd,
+            "serve",
+            str(smollm2_bf16_engine),
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL,
+            "--kv-cache-memory",
+            "512MiB",
+            "--api-key",
+            "sk-test",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
@@ -128,8 +143,9 @@ def test_concurrent_streaming_clients(server):
     def one(i: int) -> None:
         try:
             c = OpenAI(base_url=f"{server}/v1", api_key="sk-test", max_retries=0)
-            stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}],
-                                               temperature=0, max_tokens=24, stream=True)
+            stream = c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], temperature=0, max_tokens=24, stream=True
+            )
             results.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
         except Exception as e:  # collected and reported below
             results.append(e)
@@ -186,9 +202,16 @@ def test_metrics_move(server, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
     assert metric(server, "precast_generation_tokens_total") - before == 7
     assert metric(server, "precast_time_to_first_token_seconds_count") == ttft_before + 1
-    for name in ("precast_num_requests_waiting", "precast_kv_cache_usage_ratio", "precast_prefix_cache_hit_rate",
-                 "precast_prompt_tokens_total", "precast_num_preemptions_total", "precast_inter_token_latency_seconds_count",
-                 "precast_e2e_request_latency_seconds_count", "precast_kv_cache_blocks_free"):
+    for name in (
+        "precast_num_requests_waiting",
+        "precast_kv_cache_usage_ratio",
+        "precast_prefix_cache_hit_rate",
+        "precast_prompt_tokens_total",
+        "precast_num_preemptions_total",
+        "precast_inter_token_latency_seconds_count",
+        "precast_e2e_request_latency_seconds_count",
+        "precast_kv_cache_blocks_free",
+    ):
         metric(server, name)
 
 
@@ -196,11 +219,19 @@ def test_bench_online_and_offline(server, smollm2_bf16_engine, tmp_path):
     exe = shutil.which("precast")
     cmd = [exe] if exe else [sys.executable, "-m", "precast"]
     common = ["--num-prompts", "6", "--input-len", "16", "--output-len", "8", "--concurrency", "3"]
-    online = subprocess.run([*cmd, "bench", "--url", server, "--api-key", "sk-test", *common, "--json", str(tmp_path / "on.json")],
-                            capture_output=True, text=True, timeout=300)
+    online = subprocess.run(
+        [*cmd, "bench", "--url", server, "--api-key", "sk-test", *common, "--json", str(tmp_path / "on.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert online.returncode == 0, online.stderr
-    offline = subprocess.run([*cmd, "bench", "--engine", str(smollm2_bf16_engine), *common, "--json", str(tmp_path / "off.json")],
-                             capture_output=True, text=True, timeout=300)
+    offline = subprocess.run(
+        [*cmd, "bench", "--engine", str(smollm2_bf16_engine), *common, "--json", str(tmp_path / "off.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert offline.returncode == 0, offline.stderr
     for name in ("on.json", "off.json"):
         s = json.loads((tmp_path / name).read_text())
@@ -225,12 +256,31 @@ def test_bench_dataset_and_request_rate(smollm2_bf16_engine, tmp_path):
     data.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": 4}) for p in ["Hello", "The sky is", "One, two,"]) + "\n")
     exe = shutil.which("precast")
     cmd = [exe] if exe else [sys.executable, "-m", "precast"]
-    r = subprocess.run([*cmd, "bench", "--engine", str(smollm2_bf16_engine), "--dataset", str(data), "--num-prompts", "3",
-                        "--request-rate", "20", "--json", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            *cmd,
+            "bench",
+            "--engine",
+            str(smollm2_bf16_engine),
+            "--dataset",
+            str(data),
+            "--num-prompts",
+            "3",
+            "--request-rate",
+            "20",
+            "--json",
+            str(tmp_path / "s.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["requests"] == 3 and s["failed"] == 0 and 0 < s["output_tokens"] <= 12 and s["mode"] == "offline"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
-    r = subprocess.run([*cmd, "bench", "--engine", str(smollm2_bf16_engine), "--dataset", str(bad)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*cmd, "bench", "--engine", str(smollm2_bf16_engine), "--dataset", str(bad)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr

@@ -7,8 +7,6 @@ import os
 import queue
 import shutil
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +16,8 @@ import pytest
 
 from precast.runtime import SamplingParams
 from precast.runtime.triton.repo import write_model_repository
+
+pytestmark = pytest.mark.tritonserver  # every test here starts a real tritonserver
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of Germany is", "One, two, three,", "The sky is", "Water boils at"]
@@ -47,9 +47,22 @@ def start_tritonserver(repo: Path) -> tuple[subprocess.Popen, dict[str, int], Pa
     http, grpc, metrics = free_ports(3)
     log = repo.parent / f"{repo.name}.log"
     proc = subprocess.Popen(
-        [triton_python(), "-m", "precast", "triton", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
-         "--metrics-port", str(metrics)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            triton_python(),
+            "-m",
+            "precast",
+            "triton",
+            str(repo),
+            "--http-port",
+            str(http),
+            "--grpc-port",
+            str(grpc),
+            "--metrics-port",
+            str(metrics),
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -147,8 +160,9 @@ def grpc_stream(ports, jobs: list[tuple[str, str, list]], cancel_after: int | No
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     for rid, model, inputs in jobs:
-        client.async_stream_infer(model, inputs, request_id=rid, enable_empty_final_response=True,
-                                  outputs=[grpcclient.InferRequestedOutput("text_output")])
+        client.async_stream_infer(
+            model, inputs, request_id=rid, enable_empty_final_response=True, outputs=[grpcclient.InferRequestedOutput("text_output")]
+        )
     pieces: dict[str, list] = {rid: [] for rid, _, _ in jobs}
     open_ids = set(pieces)
     received = 0
@@ -193,7 +207,9 @@ def test_http_generate_endpoints(triton, expected):
     base = f"http://127.0.0.1:{triton['http']}/v2/models/precast"
     r = httpx.post(f"{base}/generate", json={"text_input": PROMPTS[0], "max_tokens": 12}, timeout=60)
     assert r.status_code == 200 and r.json()["text_output"] == expected[PROMPTS[0]]
-    with httpx.stream("POST", f"{base}/generate_stream", json={"text_input": PROMPTS[1], "max_tokens": 12, "stream": True}, timeout=60) as s:
+    with httpx.stream(
+        "POST", f"{base}/generate_stream", json={"text_input": PROMPTS[1], "max_tokens": 12, "stream": True}, timeout=60
+    ) as s:
         import json as _json
 
         chunks = [_json.loads(line[6:])["text_output"] for line in s.iter_lines() if line.startswith("data: ")]
@@ -204,8 +220,13 @@ def test_cancelling_a_stream_frees_blocks(triton):
     import tritonclient.grpc as grpcclient
 
     tokens_before = metric(triton, "precast_token_metrics", 'token_type="output"')
-    jobs = [("long", "precast", text_inputs(grpcclient, "1, 2, 3, 4,", 1500,
-                                            stream=(True, "BOOL", bool), exclude_input_in_output=(True, "BOOL", bool)))]
+    jobs = [
+        (
+            "long",
+            "precast",
+            text_inputs(grpcclient, "1, 2, 3, 4,", 1500, stream=(True, "BOOL", bool), exclude_input_in_output=(True, "BOOL", bool)),
+        )
+    ]
     pieces = grpc_stream(triton, jobs, cancel_after=5)
     assert len(pieces["long"]) >= 5
 
@@ -213,8 +234,10 @@ def test_cancelling_a_stream_frees_blocks(triton):
         return metric(triton, "precast_token_metrics", 'token_type="output"') - tokens_before
 
     def idle() -> bool:
-        return (metric(triton, "precast_kv_cache_block_metrics", 'kv_cache_block_type="used"') == 0
-                and metric(triton, "precast_request_metrics", 'request_type="active"') == 0)
+        return (
+            metric(triton, "precast_kv_cache_block_metrics", 'kv_cache_block_type="used"') == 0
+            and metric(triton, "precast_request_metrics", 'request_type="active"') == 0
+        )
 
     # The model publishes metrics every 0.2 s, and 5 tokens can come and go between two snapshots: wait until a
     # snapshot has counted this request's tokens and shows nothing running. Generous for a loaded machine; what
@@ -237,8 +260,12 @@ def test_stop_request_ends_a_stream(triton):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{triton['grpc']}")
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("precast", text_inputs(grpcclient, "1, 2, 3, 4,", 1500, stream=(True, "BOOL", bool)),
-                              request_id="s1", enable_empty_final_response=True)
+    client.async_stream_infer(
+        "precast",
+        text_inputs(grpcclient, "1, 2, 3, 4,", 1500, stream=(True, "BOOL", bool)),
+        request_id="s1",
+        enable_empty_final_response=True,
+    )
     pieces, finals, sent_stop = 0, 0, False
     deadline = time.time() + 30
     while finals < 2 and time.time() < deadline:  # the stop request's final and the generation's final
@@ -249,8 +276,9 @@ def test_stop_request_ends_a_stream(triton):
             pieces += 1
         finals += response.parameters["triton_final_response"].bool_param
         if pieces >= 3 and not sent_stop:
-            client.async_stream_infer("precast", text_inputs(grpcclient, "", 1, stop=(True, "BOOL", bool)),
-                                      request_id="s1", enable_empty_final_response=True)
+            client.async_stream_infer(
+                "precast", text_inputs(grpcclient, "", 1, stop=(True, "BOOL", bool)), request_id="s1", enable_empty_final_response=True
+            )
             sent_stop = True
     client.stop_stream()
     assert finals == 2 and pieces < 200  # ended long before its 1500 tokens

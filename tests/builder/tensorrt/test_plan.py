@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from precast.builder.build import BuildOptions, build_engine
-from precast.builder.engine import load_engine
 from precast.builder.tensorrt.plan import PLAN_FILE, REPORT_FILE, TIMING_CACHE_FILE
+from precast.engine.directory import load_engine
 from precast.errors import PrecastError
 from precast.quantization.recipe import QuantOptions
 
@@ -29,8 +29,23 @@ def precast(*args: str) -> subprocess.CompletedProcess:
 
 def test_bf16_plan_from_the_command_line(tiny_checkpoints, tmp_path):
     out = tmp_path / "engine"
-    r = precast("build", "--checkpoint", str(tiny_checkpoints["qwen3"]), "--output", str(out), "--dtype", "bfloat16",
-                "--max-seq-len", "64", "--max-batch-size", "2", "--max-num-tokens", "32", "--target", "all")
+    r = precast(
+        "build",
+        "--checkpoint",
+        str(tiny_checkpoints["qwen3"]),
+        "--output",
+        str(out),
+        "--dtype",
+        "bfloat16",
+        "--max-seq-len",
+        "64",
+        "--max-batch-size",
+        "2",
+        "--max-num-tokens",
+        "32",
+        "--target",
+        "all",
+    )
     assert r.returncode == 0, r.stderr
     assert "tensorrt plan: tensorrt" in r.stdout
     engine = load_engine(out)
@@ -49,8 +64,24 @@ def test_bf16_plan_from_the_command_line(tiny_checkpoints, tmp_path):
     r = precast("inspect", str(out))
     assert "tensorrt plan  rank0.plan" in r.stdout and "GPU-only" in r.stdout
     # Rebuilding (--force) reads the previous timing cache (full TensorRT) and says so.
-    r = precast("build", "--checkpoint", str(tiny_checkpoints["qwen3"]), "--output", str(out), "--dtype", "bfloat16",
-                "--max-seq-len", "64", "--max-batch-size", "2", "--max-num-tokens", "32", "--target", "tensorrt", "--force")
+    r = precast(
+        "build",
+        "--checkpoint",
+        str(tiny_checkpoints["qwen3"]),
+        "--output",
+        str(out),
+        "--dtype",
+        "bfloat16",
+        "--max-seq-len",
+        "64",
+        "--max-batch-size",
+        "2",
+        "--max-num-tokens",
+        "32",
+        "--target",
+        "tensorrt",
+        "--force",
+    )
     assert r.returncode == 0, r.stderr
     state = json.loads((out / REPORT_FILE).read_text())["timing_cache"]
     assert state.startswith("not used by tensorrt_rtx") if rtx else state == "reused"
@@ -59,29 +90,46 @@ def test_bf16_plan_from_the_command_line(tiny_checkpoints, tmp_path):
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
 def test_quantized_plans(recipe, tiny_checkpoints, tmp_path):
     out = tmp_path / recipe
-    build_engine(BuildOptions(tiny_checkpoints["llama"], out, dtype="bfloat16", targets=("cpu", "tensorrt"),
-                              quant=QuantOptions(recipe=recipe, calib_tokens=CALIB), **SMALL))
+    build_engine(
+        BuildOptions(
+            tiny_checkpoints["llama"],
+            out,
+            dtype="bfloat16",
+            targets=("cpu", "tensorrt"),
+            quant=QuantOptions(recipe=recipe, calib_tokens=CALIB),
+            **SMALL,
+        )
+    )
     report = json.loads((out / REPORT_FILE).read_text())
-    expected = {"fp8": "fp8 weights (per-tensor scale), fp8 inputs (static scale)",
-                "nvfp4": "nvfp4 weights (E4M3 per 16 x global), nvfp4 inputs (dynamic per 16)"}[recipe]
+    expected = {
+        "fp8": "fp8 weights (per-tensor scale), fp8 inputs (static scale)",
+        "nvfp4": "nvfp4 weights (E4M3 per 16 x global), nvfp4 inputs (dynamic per 16)",
+    }[recipe]
     assert report["layer_precision"]["layers.1.mlp.down"] == expected
     assert report["layer_precision"]["lm_head"] == "bfloat16 weights, bfloat16 inputs"
     if report["builder"] == "tensorrt_rtx":
         assert report["compute_capabilities"] == (["SM89", "SM120", "SM121"] if recipe == "fp8" else ["SM120", "SM121"])
-    assert load_engine(out).config.quant["recipe"] == recipe and (out / PLAN_FILE).stat().st_size > 100_000
+    assert load_engine(out).config.quant.recipe == recipe and (out / PLAN_FILE).stat().st_size > 100_000
 
 
 def test_refusals_name_what_cannot_be_lowered(tiny_checkpoints, tmp_path):
     with pytest.raises(PrecastError, match="KV-cache update layer takes float32/float16/bfloat16"):
-        build_engine(BuildOptions(tiny_checkpoints["llama"], tmp_path / "a", targets=("tensorrt",),
-                                  quant=QuantOptions(kv_cache_dtype="fp8", calib_tokens=CALIB), **SMALL))
+        build_engine(
+            BuildOptions(
+                tiny_checkpoints["llama"],
+                tmp_path / "a",
+                targets=("tensorrt",),
+                quant=QuantOptions(kv_cache_dtype="fp8", calib_tokens=CALIB),
+                **SMALL,
+            )
+        )
     with pytest.raises(PrecastError, match="16-token sliding window.*--max-seq-len 16"):
         build_engine(BuildOptions(tiny_checkpoints["mistral"], tmp_path / "b", targets=("tensorrt",), **SMALL))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing half-written
 
 
 def test_no_tensorrt_builder_says_what_to_install(tiny_checkpoints, tmp_path, monkeypatch):
-    from precast.builder.tensorrt import trt_ops
+    from precast.runtime.tensorrt import trt_ops
 
     monkeypatch.setattr(trt_ops, "BUILDER_MODULES", ("precast_no_such_tensorrt",))
     with pytest.raises(PrecastError, match="pip install tensorrt-rtx"):
@@ -127,7 +175,7 @@ def test_plan_missing_corrupt_or_from_another_builder(planned_engine, tmp_path):
 
 def test_no_gpu_fails_at_once_with_a_clear_message(planned_engine):
     from precast.runtime import LLM
-    from precast.runtime.tensorrt_backend import has_nvidia_gpu
+    from precast.runtime.tensorrt.runner import has_nvidia_gpu
 
     if has_nvidia_gpu():
         pytest.skip("this machine has an NVIDIA GPU")  # the check below is for machines without one
@@ -139,11 +187,28 @@ def test_smollm2_plan_and_its_network_answer_on_cpu(smollm2_gguf, tmp_path):
     """The real model end to end: a bfloat16 plan built from the command line, and the plan's network (evaluated in
     numpy through backend tensorrt-reference) answering the chat question as the CPU runner does."""
     out = tmp_path / "smollm2"
-    r = precast("build", "--checkpoint", str(smollm2_gguf), "--output", str(out), "--dtype", "bfloat16", "--target", "all",
-                "--max-batch-size", "2", "--max-seq-len", "128", "--max-num-tokens", "64", "--quiet")
+    r = precast(
+        "build",
+        "--checkpoint",
+        str(smollm2_gguf),
+        "--output",
+        str(out),
+        "--dtype",
+        "bfloat16",
+        "--target",
+        "all",
+        "--max-batch-size",
+        "2",
+        "--max-seq-len",
+        "128",
+        "--max-num-tokens",
+        "64",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((out / REPORT_FILE).read_text())["plan_bytes"] > 200 << 20  # the weights are in the plan
-    r = precast("run", str(out), "--backend", "tensorrt-reference", "--chat", "--max-tokens", "10", "--prompt",
-                "What is the capital of France?")
+    r = precast(
+        "run", str(out), "--backend", "tensorrt-reference", "--chat", "--max-tokens", "10", "--prompt", "What is the capital of France?"
+    )
     assert r.returncode == 0, r.stderr
     assert "The capital of France is Paris." in r.stdout

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from precast.builder.build import BuildOptions, build_engine
-from precast.builder.engine import load_engine
-from precast.builder.tensorrt.lowering import lower
-from precast.builder.tensorrt.numpy_ops import NumpyOps
+from precast.engine.directory import load_engine
 from precast.quantization.recipe import QuantOptions
 from precast.runtime.cpu_backend import make_cpu_runner
+from precast.runtime.tensorrt.lowering import lower
+from precast.runtime.tensorrt.numpy_ops import NumpyOps
 from tests.conftest import TINY_CONFIGS
 
 # Layers with a sliding window cannot be lowered; an engine whose max_seq_len fits in the window can.
@@ -48,8 +48,11 @@ def tiny_trt_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name in TINY_CONFIGS:
         out[name] = root / name
-        build_engine(BuildOptions(tiny_checkpoints[name], out[name], max_seq_len=SEQ.get(name, 64), max_batch_size=2,
-                                  max_num_tokens=32, progress=False))
+        build_engine(
+            BuildOptions(
+                tiny_checkpoints[name], out[name], max_seq_len=SEQ.get(name, 64), max_batch_size=2, max_num_tokens=32, progress=False
+            )
+        )
     return out
 
 
@@ -84,8 +87,18 @@ def quantized_tiny(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     for recipe in ("fp8", "nvfp4", "int4_awq"):
         out[recipe] = root / recipe
         quant = QuantOptions(recipe=recipe, calib_tokens=tokens, group_size=32 if recipe == "int4_awq" else None)
-        build_engine(BuildOptions(tiny_checkpoints["llama"], out[recipe], dtype="float32", max_seq_len=64, max_batch_size=2,
-                                  max_num_tokens=32, progress=False, quant=quant))
+        build_engine(
+            BuildOptions(
+                tiny_checkpoints["llama"],
+                out[recipe],
+                dtype="float32",
+                max_seq_len=64,
+                max_batch_size=2,
+                max_num_tokens=32,
+                progress=False,
+                quant=quant,
+            )
+        )
     return out
 
 
@@ -105,8 +118,7 @@ def test_numpy_lowering_matches_the_cpu_runner_on_quantized_engines(recipe, quan
 @pytest.mark.parametrize("which", ["llama", "qwen3", "fp8", "nvfp4", "int4_awq"])
 def test_recorded_network_matches_the_numpy_trace(which, tiny_trt_engines, quantized_tiny):
     """One lowering, two backends: the TensorRT layers and the numpy ops agree entry by entry (op, shape, dtype)."""
-    from precast.builder.tensorrt.plan import quiet_logger
-    from precast.builder.tensorrt.trt_ops import TrtOps, import_tensorrt
+    from precast.runtime.tensorrt.trt_ops import TrtOps, import_tensorrt, quiet_logger
 
     engine_dir = tiny_trt_engines.get(which) or quantized_tiny[which]
     _, numpy_ops = numpy_prefill(engine_dir, list(range(5, 17)))

@@ -15,8 +15,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from precast.builder.tensorrt.ops import TraceEntry
 from precast.errors import PrecastError
+from precast.runtime.tensorrt.ops import TraceEntry
 
 BUILDER_MODULES = ("tensorrt", "tensorrt_rtx")
 
@@ -49,8 +49,14 @@ class TrtOps:
         self.trace: list[TraceEntry] = []
         self._keep_alive: list[np.ndarray] = []  # trt.Weights do not copy: the arrays must outlive the build
         self._dtypes = {
-            "float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "fp8": trt.fp8, "fp4": trt.fp4,
-            "int4": trt.int4, "int32": trt.int32, "int64": trt.int64,
+            "float32": trt.float32,
+            "float16": trt.float16,
+            "bfloat16": trt.bfloat16,
+            "fp8": trt.fp8,
+            "fp4": trt.fp4,
+            "int4": trt.int4,
+            "int32": trt.int32,
+            "int64": trt.int64,
         }
         self._names = {v: k for k, v in self._dtypes.items()}
 
@@ -79,8 +85,9 @@ class TrtOps:
         elif dtype == "bfloat16":
             raw = np.ascontiguousarray(np.asarray(values, dtype=np.float32).astype(ml_dtypes.bfloat16)).view(np.uint16)
         else:
-            raw = np.ascontiguousarray(np.asarray(values).astype({"float32": np.float32, "float16": np.float16,
-                                                                  "int32": np.int32, "int64": np.int64}[dtype]))
+            raw = np.ascontiguousarray(
+                np.asarray(values).astype({"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}[dtype])
+            )
         self._keep_alive.append(raw)
         weights = trt.Weights(self._dtypes[dtype], raw.ctypes.data, int(np.prod(shape)) if shape else 1)
         return self._out("constant", self.network.add_constant(shape, weights), name)
@@ -154,3 +161,18 @@ class TrtOps:
             layer.set_input(1, global_scale)
         q = self._out("dynamic_quantize", layer, "")
         return q, layer.get_output(1)
+
+
+def quiet_logger(trt: Any) -> Any:
+    """Errors and warnings that matter; TensorRT-RTX's report that no CUDA driver is present is dropped
+    (building a plan needs no GPU)."""
+
+    class Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: Any, msg: str) -> None:
+            if severity <= trt.ILogger.Severity.ERROR and "CUDA driver version is insufficient" not in msg:
+                print(f"[{trt.__name__}] {msg}", flush=True)
+
+    return Logger()

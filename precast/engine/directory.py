@@ -3,7 +3,7 @@
     ENGINE/
       config.json          format, version, model (ModelSpec), dtype, quant, limits, targets,
                            tokenizer, generation defaults, provenance
-      weights.safetensors  canonical tensor names (builder/weights.py)
+      weights.safetensors  canonical tensor names (engine/tensors.py)
       tokenizer.json ...   the tokenizer files, when the checkpoint had a tokenizer
 
 An engine is written into a temporary sibling directory and renamed into place only when
@@ -16,19 +16,20 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from precast.builder.limits import BuildLimits
-from precast.builder.safetensors_file import DTYPES, SafetensorsFile
-from precast.builder.spec import ModelSpec
-from precast.builder.weights import engine_tensor_shapes
+from precast.engine.limits import BuildLimits
+from precast.engine.quant import QuantSection
+from precast.engine.safetensors_file import DTYPES, SafetensorsFile
+from precast.engine.spec import ModelSpec
+from precast.engine.tensors import TensorLayout, engine_tensor_shapes
 from precast.errors import PrecastError
-from precast.quantization.recipe import check_quant_section, quantized_tensor_layout
 
 ENGINE_FORMAT = "precast-engine"
 ENGINE_VERSION = 1
@@ -53,7 +54,7 @@ class EngineConfig:
     tokenizer: dict[str, Any] | None  # ids and file names; None: token ids in, token ids out
     provenance: dict[str, Any]
     generation: dict[str, Any] = field(default_factory=dict)  # sampling defaults from generation_config.json
-    quant: dict[str, Any] = field(default_factory=lambda: {"recipe": "none"})
+    quant: QuantSection = field(default_factory=QuantSection)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,7 +62,7 @@ class EngineConfig:
             "version": ENGINE_VERSION,
             "model": self.model.to_dict(),
             "dtype": self.dtype,
-            "quant": self.quant,
+            "quant": self.quant.to_dict(),
             "limits": self.limits.to_dict(),
             "targets": self.targets,
             "tokenizer": self.tokenizer,
@@ -82,11 +83,14 @@ class EngineConfig:
         if version < ENGINE_VERSION:
             raise PrecastError(f"{where} is engine format version {version}, no longer supported; rebuild it with `precast build`")
         try:
+            model = ModelSpec.from_dict(data["model"])
+            limits = BuildLimits(**data["limits"])
+            quant = QuantSection.from_dict(data["quant"], model, limits.kv_cache_dtype, where)
             config = cls(
-                model=ModelSpec.from_dict(data["model"]),
+                model=model,
                 dtype=data["dtype"],
-                quant=data["quant"],
-                limits=BuildLimits(**data["limits"]),
+                quant=quant,
+                limits=limits,
                 targets=data["targets"],
                 tokenizer=data["tokenizer"],
                 generation=data.get("generation", {}),
@@ -96,18 +100,17 @@ class EngineConfig:
             raise PrecastError(f"{where} is damaged or incomplete ({type(e).__name__}: {e}); rebuild the engine") from e
         if config.dtype not in ENGINE_DTYPES:
             raise PrecastError(f"{where}: unknown engine dtype {config.dtype!r}")
-        check_quant_section(config.quant, config.model, config.limits.kv_cache_dtype, where)
         return config
 
-    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    def expected_tensors(self) -> TensorLayout:
         """Canonical name -> (shape, safetensors dtype) that weights.safetensors must hold."""
         matrix = ENGINE_DTYPES[self.dtype]
-        layers = self.quant.get("layers", {})
-        expected: dict[str, tuple[tuple[int, ...], str]] = {}
+        layers = self.quant.layers
+        expected: TensorLayout = {}
         for name, shape in engine_tensor_shapes(self.model).items():
             layer = name.removesuffix(".weight")
             if layer in layers:  # the quantized weight, then its scales: the file keeps build order
-                expected.update(quantized_tensor_layout(layers[layer], shape[0], shape[1], layer))
+                expected.update(layers[layer].tensors(layer, shape[0], shape[1]))
             else:
                 expected[name] = (shape, "F32" if len(shape) == 1 else matrix)
         return expected
@@ -193,4 +196,3 @@ def fsync_tree(path: Path) -> None:
     for file in path.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())
-

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from precast.builder.safetensors_file import SafetensorsFile, SafetensorsWriter
+from precast.engine.safetensors_file import SafetensorsFile, SafetensorsWriter
 
 
 def test_written_file_reads_back_in_safetensors(tmp_path):

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from precast.quantization.formats import (
+from precast.engine.formats import (
     FP8_MAX,
     default_group_size,
     pack_fp4,

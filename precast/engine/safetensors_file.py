@@ -89,8 +89,7 @@ class SafetensorsFile:
                 raise PrecastError(self._corrupt(f"entry for {name!r} is malformed")) from e
             if dtype not in DTYPES:
                 raise PrecastError(
-                    f"{self.path}: tensor {name!r} has dtype {dtype}, which precast cannot read "
-                    f"(supported: {', '.join(DTYPES)})"
+                    f"{self.path}: tensor {name!r} has dtype {dtype}, which precast cannot read (supported: {', '.join(DTYPES)})"
                 )
             expected = math.prod(shape) * DTYPES[dtype].itemsize
             if end - begin != expected or begin < 0:

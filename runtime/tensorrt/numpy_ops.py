@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from precast.builder.tensorrt.ops import ACTIVATION_DTYPES, TraceEntry
+from precast.engine.formats import FP4_MAX, FP8_MAX, NVFP4_BLOCK
 from precast.errors import PrecastError
-from precast.quantization.formats import FP4_MAX, FP8_MAX, NVFP4_BLOCK
+from precast.runtime.tensorrt.ops import ACTIVATION_DTYPES, TraceEntry
 
 _NARROW = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _INTEGER = {"int32": np.int32, "int64": np.int64}

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 
-from precast.builder.limits import resolve_limits
-from precast.builder.spec import ModelSpec
+from precast.engine.limits import resolve_limits
+from precast.engine.spec import ModelSpec
 
 SPEC = ModelSpec(
-    architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
-    num_kv_heads=1, head_dim=4, norm_eps=1e-5, activation="silu", rope_theta=1e4, rope_scaling=None,
-    max_position_embeddings=8192, qkv_bias=False, qk_norm=False, sliding_window=None, sliding_window_layers=(),
+    architecture="llama",
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    norm_eps=1e-5,
+    activation="silu",
+    rope_theta=1e4,
+    rope_scaling=None,
+    max_position_embeddings=8192,
+    qkv_bias=False,
+    qk_norm=False,
+    sliding_window=None,
+    sliding_window_layers=(),
     tie_word_embeddings=True,
 )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from precast.builder.spec import ModelSpec
+from precast.engine.spec import ModelSpec
 from precast.errors import PrecastError
 
 DEFAULT_MAX_SEQ_LEN_CAP = 4096

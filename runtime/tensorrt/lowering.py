@@ -35,14 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from precast.builder.engine import Engine, EngineConfig
-from precast.builder.rope import rope_parameters
-from precast.builder.spec import ModelSpec
-from precast.builder.tensorrt.ops import ACTIVATION_DTYPES, Ops
+from precast.engine.directory import Engine, EngineConfig
+from precast.engine.quant import LayerQuant
+from precast.engine.rope import rope_parameters
+from precast.engine.spec import ModelSpec
+from precast.engine.tensors import head_name
 from precast.errors import PrecastError
-from precast.quantization.formats import unpack_fp4, unpack_int4
-from precast.quantization.recipe import head_name
-
+from precast.runtime.tensorrt.ops import ACTIVATION_DTYPES, Ops
 
 FP8_KV_REFUSAL = (
     "--kv-cache-dtype fp8 cannot be lowered to TensorRT: its KV-cache update layer takes float32/float16/bfloat16 caches "
@@ -94,7 +93,7 @@ class DecoderLowering:
         self.engine = engine
         self.spec = engine.config.model
         self.act = act_dtype or engine.config.dtype
-        self.quant_layers: dict[str, dict[str, Any]] = engine.config.quant.get("layers", {})
+        self.quant_layers: dict[str, LayerQuant] = engine.config.quant.layers
         self.shape = NetworkShape.of(engine.config)
         self._weights: dict[tuple[str, int, int], Any] = {}
         self._scalars: dict[tuple[float, str, int], Any] = {}
@@ -126,34 +125,15 @@ class DecoderLowering:
         return self._weights[key]
 
     def _make_weight(self, layer: str, rows: slice) -> Any:
-        ops, read = self.ops, self.engine.weights.read
-        entry, tag = self.quant_layers.get(layer), f"{layer}[{rows.start}:{rows.stop}]"
-        if entry is None:
-            return self.const(f"{tag}.weight", read(f"{layer}.weight")[rows].astype(np.float32))
-        fmt = entry["format"]
-        if fmt == "fp8":
-            scale = self.const(f"{layer}.weight_scale", np.float32(entry["weight_scale"]), "float32")
-            return ops.dequantize(ops.constant(f"{tag}.weight", read(f"{layer}.weight")[rows], "fp8"), scale, self.act)
-        if fmt == "nvfp4":  # two levels: E4M3 block scales x the global scale, then the E2M1 values x those
-            global_scale = self.const(f"{layer}.weight_global_scale", np.float32(entry["weight_global_scale"]), "float32")
-            # (the block scales come out in activation dtype: TensorRT's FP4 dequantize takes its output type's scales)
-            block = ops.dequantize(ops.constant(f"{tag}.weight_scale", read(f"{layer}.weight_scale")[rows], "fp8"), global_scale, self.act)
-            return ops.dequantize(ops.constant(f"{tag}.weight", unpack_fp4(read(f"{layer}.weight")[rows]), "fp4"), block, self.act)
-        # int4 (AWQ): weight-only, blocked by groups of the input dimension
-        scales = self.const(f"{tag}.weight_scale", read(f"{layer}.weight_scale")[rows], self.act)
-        return ops.dequantize(ops.constant(f"{tag}.weight", unpack_int4(read(f"{layer}.weight")[rows]), "int4"), scales, self.act)
+        record, tag = self.quant_layers.get(layer), f"{layer}[{rows.start}:{rows.stop}]"
+        if record is None:
+            return self.const(f"{tag}.weight", self.engine.weights.read(f"{layer}.weight")[rows].astype(np.float32))
+        return record.lower_weight(self, layer, rows, tag)  # the format dequantizes its stored tensors
 
     def quantized_input(self, x: Any, layer: str) -> Any:
         """The layer's input as its recipe quantizes it (fp8 static, nvfp4 dynamic per 16), dequantized."""
-        ops, entry = self.ops, self.quant_layers.get(layer)
-        if entry is None or entry["format"] == "int4":
-            return x
-        if entry["format"] == "fp8":
-            s = self.const(f"{layer}.input_scale", np.float32(entry["input_scale"]), "float32")
-            return ops.dequantize(ops.quantize(x, s, "fp8"), s, self.act)
-        g = self.const(f"{layer}.input_global_scale", np.float32(entry["input_global_scale"]), "float32")
-        q, block_scale = ops.dynamic_quantize_fp4(x, g)
-        return ops.dequantize(q, ops.dequantize(block_scale, g, self.act), self.act)
+        record = self.quant_layers.get(layer)
+        return x if record is None else record.lower_input(self, x, layer)
 
     def linear(self, x: Any, layer: str, row_blocks: list[slice]) -> list[Any]:
         """x @ W[rows].T for each row block of the layer's (possibly fused) weight; the input is
@@ -225,5 +205,3 @@ def lower(ops: Ops, engine: Engine, act_dtype: str | None = None) -> DecoderLowe
     lowering = DecoderLowering(ops, engine, act)
     lowering.build()
     return lowering
-
-

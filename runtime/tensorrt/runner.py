@@ -3,7 +3,7 @@
 Running a plan needs an NVIDIA GPU; none has been available to this project, so the device part
 (CudaPlanStep: TensorRT runtime + cuda-python) has never run. Everything around it is plain code
 tested on CPU: TensorRTRunner turns each executor batch into the network's padded slot step
-(builder/tensorrt/lowering.py) and back, and NumpyStep runs that step by evaluating the same
+(runtime/tensorrt/lowering.py) and back, and NumpyStep runs that step by evaluating the same
 lowering in numpy (`LLM(engine, backend="tensorrt-reference")`: slow, for checking, not serving).
 """
 
@@ -18,9 +18,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from precast import _C
-from precast.builder.engine import Engine, numpy_dtype
-from precast.builder.tensorrt.lowering import NetworkShape
+from precast.engine.directory import Engine, numpy_dtype
 from precast.errors import PrecastError
+from precast.runtime.tensorrt.lowering import NetworkShape, check_supported, lower
+from precast.runtime.tensorrt.numpy_ops import NumpyOps
+from precast.runtime.tensorrt.trt_ops import quiet_logger
 
 
 class StepExecutor(Protocol):
@@ -60,12 +62,16 @@ def check_runtime_version(record: PlanRecord) -> Any:
     try:
         trt = importlib.import_module(record.builder)
     except ImportError:
-        raise PrecastError(f"this plan was built by {record.builder} {record.builder_version}, which is not installed here; "
-                           f"install it (pip install {record.builder.replace('_', '-')}=={record.builder_version}) or rebuild "
-                           "the plan with the TensorRT installed here") from None
+        raise PrecastError(
+            f"this plan was built by {record.builder} {record.builder_version}, which is not installed here; "
+            f"install it (pip install {record.builder.replace('_', '-')}=={record.builder_version}) or rebuild "
+            "the plan with the TensorRT installed here"
+        ) from None
     if trt.__version__ != record.builder_version:
-        raise PrecastError(f"this plan was built by {record.builder} {record.builder_version}, and {trt.__version__} is installed: "
-                           "TensorRT plans only load in the version that built them; rebuild with `precast build ... --target tensorrt`")
+        raise PrecastError(
+            f"this plan was built by {record.builder} {record.builder_version}, and {trt.__version__} is installed: "
+            "TensorRT plans only load in the version that built them; rebuild with `precast build ... --target tensorrt`"
+        )
     return trt
 
 
@@ -93,8 +99,10 @@ class TensorRTRunner(_C.ModelRunner):
 
     def configure_kv(self, num_blocks: int, tokens_per_block: int) -> None:
         if num_blocks > self.shape.max_batch_size:
-            raise ValueError(f"the TensorRT plan has {self.shape.max_batch_size} slots (its --max-batch-size) and the KV "
-                             f"memory given holds {num_blocks}; give at most {self.shape.max_batch_size * self.kv_block_bytes(0)} bytes")
+            raise ValueError(
+                f"the TensorRT plan has {self.shape.max_batch_size} slots (its --max-batch-size) and the KV "
+                f"memory given holds {num_blocks}; give at most {self.shape.max_batch_size * self.kv_block_bytes(0)} bytes"
+            )
         self.step.allocate()
 
     def forward(self, batch: Any) -> np.ndarray:
@@ -142,8 +150,6 @@ class NumpyStep:
     """The network evaluated in numpy (the lowering through NumpyOps), caches kept in host memory."""
 
     def __init__(self, engine: Engine, activation_dtype: str):
-        from precast.builder.tensorrt.lowering import check_supported
-
         check_supported(engine.config, activation_dtype)
         self.engine = engine
         self.act = activation_dtype
@@ -155,9 +161,6 @@ class NumpyStep:
         self.caches = {f"{k}_cache.{i}": np.zeros(shape, np.float32) for i in range(spec.num_layers) for k in "kv"}
 
     def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        from precast.builder.tensorrt.lowering import lower
-        from precast.builder.tensorrt.numpy_ops import NumpyOps
-
         ops = NumpyOps({**feeds, **self.caches})
         lower(ops, self.engine, self.act)
         for name in self.caches:  # the update is in place in TensorRT: k_cache_out.i is k_cache.i's memory
@@ -165,8 +168,10 @@ class NumpyStep:
         return ops.outputs["logits"].value
 
 
-NO_GPU = ("backend 'tensorrt' runs TensorRT plans on an NVIDIA GPU, and this machine has none; use backend='cpu' to "
-          "serve here, or backend='tensorrt-reference' to check the plan's network in numpy on the CPU")
+NO_GPU = (
+    "backend 'tensorrt' runs TensorRT plans on an NVIDIA GPU, and this machine has none; use backend='cpu' to "
+    "serve here, or backend='tensorrt-reference' to check the plan's network in numpy on the CPU"
+)
 
 
 def has_nvidia_gpu() -> bool:
@@ -187,11 +192,11 @@ class CudaPlanStep:  # pragma: no cover - GPU-only, never run in this project's 
             raise PrecastError("backend 'tensorrt' needs cuda-python beside TensorRT: pip install cuda-python") from None
         err, count = cudart.cudaGetDeviceCount()
         if int(err) != 0 or count < 1:
-            raise PrecastError("backend 'tensorrt' runs TensorRT plans on an NVIDIA GPU, and this machine has none "
-                               f"({cudart.cudaGetErrorString(err)[1].decode() if int(err) else 'no device'}); use backend='cpu'")
+            raise PrecastError(
+                "backend 'tensorrt' runs TensorRT plans on an NVIDIA GPU, and this machine has none "
+                f"({cudart.cudaGetErrorString(err)[1].decode() if int(err) else 'no device'}); use backend='cpu'"
+            )
         self.cudart, self.trt, self.engine = cudart, trt, engine
-        from precast.builder.tensorrt.plan import quiet_logger
-
         self.plan = trt.Runtime(quiet_logger(trt)).deserialize_cuda_engine(record.data)
         if self.plan is None:
             raise PrecastError(f"{record.plan} did not load on this GPU (a target it was not built for?); rebuild it here")

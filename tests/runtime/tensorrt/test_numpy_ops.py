@@ -9,19 +9,28 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from precast.builder.tensorrt.numpy_ops import NpTensor, NumpyOps, round_to
+from precast.runtime.tensorrt.numpy_ops import NpTensor, NumpyOps, round_to
 
 rng = np.random.default_rng(0)
 
 
-def run_onnx(nodes: onnx.NodeProto | list[onnx.NodeProto], inputs: dict[str, np.ndarray], outputs: list[tuple[str, int]],
-             initializers: list[onnx.TensorProto] = ()) -> list[np.ndarray]:
+def run_onnx(
+    nodes: onnx.NodeProto | list[onnx.NodeProto],
+    inputs: dict[str, np.ndarray],
+    outputs: list[tuple[str, int]],
+    initializers: list[onnx.TensorProto] = (),
+) -> list[np.ndarray]:
     def info(name: str, a: np.ndarray) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
 
     nodes = nodes if isinstance(nodes, list) else [nodes]
-    graph = helper.make_graph(nodes, "g", [info(n, a) for n, a in inputs.items()],
-                              [helper.make_tensor_value_info(n, t, None) for n, t in outputs], list(initializers))
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [info(n, a) for n, a in inputs.items()],
+        [helper.make_tensor_value_info(n, t, None) for n, t in outputs],
+        list(initializers),
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
     model.ir_version = 10
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)
@@ -68,9 +77,11 @@ def test_fp8_quantize_and_dequantize_match_onnx():
     q = ops.quantize(t(x), t(scale), "fp8")
     deq = ops.dequantize(q, t(scale), "float32")
     zero = helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0])
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], saturate=1),
-             helper.make_node("Cast", ["q"], ["q_values"], to=TensorProto.FLOAT),
-             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], saturate=1),
+        helper.make_node("Cast", ["q"], ["q_values"], to=TensorProto.FLOAT),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+    ]
     want_q, want = run_onnx(nodes, {"x": x, "s": np.array(scale)}, [("q_values", TensorProto.FLOAT), ("y", TensorProto.FLOAT)], [zero])
     np.testing.assert_array_equal(q.value, want_q)
     np.testing.assert_array_equal(deq.value, want)
@@ -80,7 +91,7 @@ def test_rms_norm_as_lowered_matches_onnx_rms_normalization():
     """The lowering's RMSNorm (x / sqrt(mean(x^2) + eps) * w, from primitives) against opset 23's operator."""
     from types import SimpleNamespace
 
-    from precast.builder.tensorrt.lowering import DecoderLowering
+    from precast.runtime.tensorrt.lowering import DecoderLowering
 
     x = rng.standard_normal((5, 64)).astype(np.float32) * 3
     w = rng.standard_normal(64).astype(np.float32)
@@ -101,7 +112,7 @@ def test_narrow_dtypes_round_like_ml_dtypes():
 
 
 def test_dynamic_fp4_quantize_is_the_nvfp4_activation_definition():
-    from precast.quantization.formats import fake_quant_nvfp4_activation
+    from precast.engine.formats import fake_quant_nvfp4_activation
 
     x = rng.standard_normal((6, 64)).astype(np.float32)
     x[1, :16] = 0  # an all-zero block

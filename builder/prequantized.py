@@ -10,14 +10,13 @@ a fused layer is the largest of its parts' (modelopt's export already makes them
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from precast.builder.checkpoint.base import Checkpoint
 from precast.builder.weights import PlannedTensor
+from precast.engine.formats import FP8_MAX, quantize_fp8
+from precast.engine.quant import Fp8Layer
 from precast.errors import PrecastError
-from precast.quantization.formats import FP8_MAX, quantize_fp8
 
 SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 
@@ -26,16 +25,19 @@ def scale_tensors(checkpoint: Checkpoint) -> set[str]:
     return {n for n in checkpoint.tensor_names() if n.endswith(SCALE_SUFFIXES)}
 
 
-def quantized_layers(checkpoint: Checkpoint, plan: list[PlannedTensor]) -> dict[str, dict[str, Any]]:
-    """Engine layer name -> {"format": "fp8"} for every planned matrix stored in E4M3 (all parts or none)."""
-    layers: dict[str, dict[str, Any]] = {}
+def quantized_layers(checkpoint: Checkpoint, plan: list[PlannedTensor]) -> dict[str, Fp8Layer]:
+    """Engine layer name -> an fp8 record (scales read with the weights) for every planned matrix stored in
+    E4M3 (all parts or none)."""
+    layers: dict[str, Fp8Layer] = {}
     for t in plan:
         kinds = {checkpoint.tensor_dtype(s) == "F8_E4M3" for s in t.sources}
         if kinds == {True}:
-            layers[t.name[: -len(".weight")]] = {"format": "fp8"}
+            layers[t.name[: -len(".weight")]] = Fp8Layer()
         elif len(kinds) > 1:
-            raise PrecastError(f"{t.name} fuses {', '.join(t.sources)}, which are not all FP8 in the checkpoint; "
-                               "precast needs q/k/v and gate/up quantized alike")
+            raise PrecastError(
+                f"{t.name} fuses {', '.join(t.sources)}, which are not all FP8 in the checkpoint; "
+                "precast needs q/k/v and gate/up quantized alike"
+            )
     return layers
 
 
@@ -48,8 +50,8 @@ def _scalar(checkpoint: Checkpoint, names: set[str], name: str, of: str) -> floa
     return value
 
 
-def fuse_fp8(checkpoint: Checkpoint, tensor: PlannedTensor, entry: dict[str, Any]) -> np.ndarray:
-    """The fused E4M3 matrix of one planned tensor; fills `entry` with its weight and input scales."""
+def fuse_fp8(checkpoint: Checkpoint, tensor: PlannedTensor) -> tuple[np.ndarray, Fp8Layer]:
+    """The fused E4M3 matrix of one planned tensor and its record with the weight and input scales."""
     names = set(checkpoint.tensor_names())
     prefixes = [s[: -len(".weight")] for s in tensor.sources]
     weight_scales = [_scalar(checkpoint, names, f"{p}.weight_scale", s) for p, s in zip(prefixes, tensor.sources)]
@@ -57,5 +59,4 @@ def fuse_fp8(checkpoint: Checkpoint, tensor: PlannedTensor, entry: dict[str, Any
     parts = [checkpoint.read(s).astype(np.float32) * np.float32(ws) for s, ws in zip(tensor.sources, weight_scales)]
     scale = max(weight_scales)
     q = quantize_fp8(np.concatenate(parts, axis=0), amax=scale * FP8_MAX)
-    entry.update(weight_scale=q.scale, input_scale=max(input_scales))
-    return q.values
+    return q.values, Fp8Layer(weight_scale=q.scale, input_scale=max(input_scales))

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from precast.builder.spec import ModelSpec
+from precast.engine.spec import ModelSpec
 
 
 def rope_parameters(spec: ModelSpec) -> tuple[np.ndarray, float]:

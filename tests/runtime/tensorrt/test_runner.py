@@ -10,16 +10,26 @@ import numpy as np
 import pytest
 
 from precast.builder.build import BuildOptions, build_engine
-from precast.builder.engine import load_engine
+from precast.engine.directory import load_engine
 from precast.runtime import LLM, SamplingParams
-from precast.runtime.tensorrt_backend import TensorRTRunner
+from precast.runtime.tensorrt.runner import TensorRTRunner
 
 
 @pytest.fixture(scope="module")
 def planned(tiny_checkpoints, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trt-runner") / "engine"
-    build_engine(BuildOptions(tiny_checkpoints["qwen3"], out, dtype="float32", max_seq_len=96, max_batch_size=4,
-                              max_num_tokens=32, targets=("cpu", "tensorrt"), progress=False))
+    build_engine(
+        BuildOptions(
+            tiny_checkpoints["qwen3"],
+            out,
+            dtype="float32",
+            max_seq_len=96,
+            max_batch_size=4,
+            max_num_tokens=32,
+            targets=("cpu", "tensorrt"),
+            progress=False,
+        )
+    )
     return out
 
 
