@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from precast.errors import PrecastError
 
@@ -69,22 +70,36 @@ def _inspect(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
 
 
+def _sampling_flags() -> dict[str, Any]:
+    """SamplingParams fields that are `precast run` flags -> their dataclass field (the schema's `cli`)."""
+    from precast.runtime.sampling_params import knobs
+
+    return {f.name: f for f, k in knobs().items() if k.cli}
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """One flag per SamplingParams field the schema marks `cli` (lists repeat the flag); `defaults` override
+    the schema's for this command."""
+    from precast.runtime.sampling_params import field_type, knobs
+
+    for f, k in knobs().items():
+        if not k.cli:
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), field_type(f)
+        default = defaults.get(f.name, f.default)
+        if kind == "bool":
+            parser.add_argument(flag, action="store_true", help=k.help)
+        elif kind.startswith("list["):
+            item = int if kind == "list[int]" else str
+            parser.add_argument(flag, action="append", type=item, default=[], help=f"{k.help} (repeatable)")
+        else:
+            parser.add_argument(flag, type=int if kind == "int" else float, default=default, help=f"{k.help} (default {default})")
+
+
 def _run(args: argparse.Namespace) -> None:
     from precast.runtime import LLM, SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
-        stop=args.stop or [],
-        ignore_eos=args.ignore_eos,
-    )
+    params = SamplingParams(**{name: getattr(args, name) for name in _sampling_flags()})
     with LLM(args.engine, backend=args.backend, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads) as llm:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         if args.stream:
@@ -223,17 +238,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt", required=True, help="the prompt text")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template as a user message")
     r.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    r.add_argument("--max-tokens", type=int, default=256)
-    r.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--top-k", type=int, default=0)
-    r.add_argument("--min-p", type=float, default=0.0)
-    r.add_argument("--repetition-penalty", type=float, default=1.0)
-    r.add_argument("--presence-penalty", type=float, default=0.0)
-    r.add_argument("--frequency-penalty", type=float, default=0.0)
-    r.add_argument("--seed", type=int)
-    r.add_argument("--stop", action="append", help="stop string (repeatable)")
-    r.add_argument("--ignore-eos", action="store_true")
+    _add_sampling_arguments(r, max_tokens=256, temperature=0.0)
     r.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB (default: a quarter of free RAM)")
     r.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     _add_backend(r)

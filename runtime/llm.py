@@ -171,35 +171,14 @@ class LLM:
 
     def _request(self, prompt_ids: list[int], params: SamplingParams, streaming: bool) -> Any:
         params.validate()
-        req = _C.Request()
-        req.prompt = prompt_ids
-        req.max_tokens = params.max_tokens
-        req.min_tokens = params.min_tokens
-        req.stop_token_ids = list(params.stop_token_ids)
-        req.ignore_eos = params.ignore_eos
-        # Stop strings are found in Python, token by token, so such requests always stream.
-        req.streaming = streaming or bool(params.stop)
-        req.priority = params.priority
+        bad_words: set[tuple[int, ...]] = set()
         if params.bad_words:
             if self.tokenizer is None:
                 raise PrecastError("bad_words need a tokenizer")
-            words = set()
             for w in params.bad_words:  # the word alone and after a space tokenize differently
                 for variant in (w, " " + w.lstrip()):
-                    words.add(tuple(self.tokenizer.encode(variant, add_special_tokens=False)))
-            req.bad_words = [list(w) for w in words if w]
-        s = _C.SamplingParams()
-        s.temperature = params.temperature
-        s.top_k = params.top_k
-        s.top_p = params.top_p
-        s.min_p = params.min_p
-        s.repetition_penalty = params.repetition_penalty
-        s.presence_penalty = params.presence_penalty
-        s.frequency_penalty = params.frequency_penalty
-        s.seed = params.seed
-        s.top_logprobs = -1 if params.logprobs is None else params.logprobs
-        req.sampling = s
-        return req
+                    bad_words.add(tuple(self.tokenizer.encode(variant, add_special_tokens=False)))
+        return params.to_request(prompt_ids, streaming, [list(w) for w in bad_words if w])
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, streaming: bool, sink_for: Callable[[_Tracker], Callable[[Any], None]]

@@ -1,58 +1,141 @@
-"""SamplingParams: how one request is decoded (validated here, executed by the C++ sampler)."""
+"""SamplingParams: how one request is decoded, and the one schema every surface is made from.
+
+Each field carries a `Knob` (its help, bounds and which surfaces expose it). From it come:
+  - `SamplingParams.validate()`: the one bounds check, with one set of messages (the C++ `validate`
+    stays as the last guard);
+  - the OpenAI request bodies' sampling fields (runtime/server/protocol.py);
+  - the Triton model's optional inputs and config.pbtxt rows (runtime/triton/);
+  - `precast run`'s flags (precast/cli.py).
+Adding a field is one entry here plus the C++ struct it travels in (cpp/request.h, `to_request` below).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from precast import _C
 from precast.errors import PrecastError
+
+
+@dataclass(frozen=True)
+class Knob:
+    help: str
+    ge: float | None = None  # bounds; None: unbounded on that side
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    openai: bool = True  # accepted by name in OpenAI request bodies (standard fields and vLLM-style extensions)
+    triton: str | None = None  # the Triton input's data type, None: not a Triton input
+    triton_names: tuple[str, ...] = ()  # Triton input names, default: the field's own
+    cli: bool = True  # a `precast run` flag
+
+
+def knob(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    meta = {"knob": Knob(**kwargs)}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)  # stop strings; never part of the output text
-    stop_token_ids: list[int] = field(default_factory=list)
-    bad_words: list[str] = field(default_factory=list)  # words never generated
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; 0: chosen token's; n: also the n most likely
-    skip_special_tokens: bool = True
-    priority: int = 0
+    max_tokens: int = knob(16, help="most tokens to generate", ge=1, openai=False, triton="TYPE_INT32",
+                           triton_names=("max_tokens", "request_output_len"))  # fmt: skip
+    temperature: float = knob(1.0, help="0 is greedy", ge=0, triton="TYPE_FP32")
+    top_p: float = knob(1.0, help="nucleus sampling: smallest set of tokens with this much probability", gt=0, le=1, triton="TYPE_FP32")
+    top_k: int = knob(0, help="sample among the k most likely tokens (0 disables it)", ge=0, triton="TYPE_INT32")
+    min_p: float = knob(0.0, help="drop tokens less likely than min_p x the most likely one", ge=0, le=1, triton="TYPE_FP32")
+    repetition_penalty: float = knob(1.0, help="HF's rule, on prompt and output tokens (1: off)", gt=0, triton="TYPE_FP32")
+    presence_penalty: float = knob(0.0, help="OpenAI's rule, on output tokens", ge=-2, le=2, triton="TYPE_FP32")
+    frequency_penalty: float = knob(0.0, help="OpenAI's rule, on output tokens", ge=-2, le=2, triton="TYPE_FP32")
+    seed: int | None = knob(None, help="same seed, same tokens, whatever shares the batch", ge=0, lt=2**64, triton="TYPE_UINT64")
+    stop: list[str] = knob(
+        factory=list, help="stop string, never part of the output text", triton="TYPE_STRING", triton_names=("stop_words",)
+    )
+    stop_token_ids: list[int] = knob(factory=list, help="token id that ends generation, besides the engine's eos ids")
+    bad_words: list[str] = knob(factory=list, help="word never generated", triton="TYPE_STRING")
+    min_tokens: int = knob(0, help="tokens generated before eos or a stop token may end the output", ge=0, triton="TYPE_INT32")
+    ignore_eos: bool = knob(False, help="keep generating past the eos token")
+    logprobs: int | None = knob(
+        None, help="None: none; 0: the chosen token's; n: also the n most likely", ge=0, le=20, openai=False, cli=False
+    )
+    skip_special_tokens: bool = knob(True, help="leave special tokens out of the text", cli=False)
+    priority: int = knob(0, help="higher first among waiting requests", cli=False)
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise PrecastError(f"invalid sampling parameter: {msg}")
+        for f, k in knobs().items():
+            problem = _problem(f, getattr(self, f.name), k)
+            if problem:
+                raise PrecastError(f"invalid sampling parameter: {f.name} must be {problem}, got {getattr(self, f.name)!r}")
+        if self.min_tokens > self.max_tokens:
+            raise PrecastError(f"invalid sampling parameter: min_tokens must be between 0 and max_tokens, got {self.min_tokens!r}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
-            bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            bad(f"min_tokens must be between 0 and max_tokens, got {self.min_tokens!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop strings must be non-empty strings")
-        if any(not isinstance(w, str) or not w for w in self.bad_words):
-            bad("bad_words must be non-empty strings")
+    def to_request(self, prompt_ids: list[int], streaming: bool, bad_word_ids: list[list[int]]) -> Any:
+        """The C++ request (validated first); `bad_word_ids`: bad_words as token sequences."""
+        self.validate()
+        req = _C.Request()
+        req.prompt = prompt_ids
+        req.max_tokens = self.max_tokens
+        req.min_tokens = self.min_tokens
+        req.stop_token_ids = list(self.stop_token_ids)
+        req.ignore_eos = self.ignore_eos
+        req.streaming = streaming or bool(self.stop)  # stop strings are matched on streamed text
+        req.priority = self.priority
+        req.bad_words = bad_word_ids
+        s = _C.SamplingParams()
+        s.temperature = self.temperature
+        s.top_k = self.top_k
+        s.top_p = self.top_p
+        s.min_p = self.min_p
+        s.repetition_penalty = self.repetition_penalty
+        s.presence_penalty = self.presence_penalty
+        s.frequency_penalty = self.frequency_penalty
+        s.seed = self.seed
+        s.top_logprobs = -1 if self.logprobs is None else self.logprobs
+        req.sampling = s
+        return req
+
+
+def knobs() -> dict[dataclasses.Field, Knob]:
+    return {f: f.metadata["knob"] for f in dataclasses.fields(SamplingParams)}
+
+
+def field_type(f: dataclasses.Field) -> str:
+    """ "int" | "float" | "bool" | "list[str]" | "list[int]", optional ones without "| None"."""
+    return str(f.type).replace(" | None", "")
+
+
+def _problem(f: dataclasses.Field, value: Any, k: Knob) -> str | None:
+    kind = field_type(f)
+    if value is None and f.default is None:
+        return None
+    if kind.startswith("list["):
+        item = str if kind == "list[str]" else int
+        ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) and (item is int or v) for v in value)
+        return None if ok else ("a list of non-empty strings" if item is str else "a list of integers")
+    if kind == "bool":
+        return None if isinstance(value, bool) else "true or false"
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind == "float" or isinstance(value, int))
+    inside = numeric and not (isinstance(value, float) and math.isnan(value))
+    inside = inside and (k.ge is None or value >= k.ge) and (k.gt is None or value > k.gt)
+    inside = inside and (k.le is None or value <= k.le) and (k.lt is None or value < k.lt)
+    return None if inside else ("an integer " if kind == "int" else "") + bounds_text(k)
+
+
+def _number(x: float) -> str:
+    return "2**64" if x == 2**64 else f"{x:g}"
+
+
+def bounds_text(k: Knob) -> str:
+    lo = None if k.ge is None and k.gt is None else ("[" if k.ge is not None else "(", k.ge if k.ge is not None else k.gt)
+    hi = None if k.le is None and k.lt is None else ("]" if k.le is not None else ")", k.le if k.le is not None else k.lt)
+    if lo and hi:
+        return f"in {lo[0]}{_number(lo[1])}, {_number(hi[1])}{hi[0]}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {_number(lo[1])}"
+    if hi:
+        return f"{'<=' if hi[0] == ']' else '<'} {_number(hi[1])}"
+    return "a number"

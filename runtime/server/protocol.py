@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from precast.runtime.sampling_params import SamplingParams
+from precast.runtime.sampling_params import SamplingParams, field_type, knobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -15,48 +16,46 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+def _sampling_fields() -> dict[str, Any]:
+    """The SamplingParams fields OpenAI bodies carry, with their types and defaults (bounds are checked once,
+    by SamplingParams.validate: a violation is a 400 with its message)."""
+    fields: dict[str, Any] = {}
+    for f, k in knobs().items():
+        if not k.openai:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        annotation = {"int": int, "float": float, "bool": bool, "list[int]": list[int], "list[str]": list[str]}[field_type(f)]
+        if f.default is None:
+            annotation = annotation | None
+        if f.name == "stop":  # OpenAI: one string or a list
+            annotation, default = str | list[str] | None, None
+        fields[f.name] = (annotation, Field(default=default, description=k.help))
+    return fields
+
+
+class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
-    # Common extensions (vLLM / TensorRT-LLM users send these).
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
-    ignore_eos: bool = False
 
+
+class _Common(create_model("_Sampling", __base__=_Body, **_sampling_fields())):  # type: ignore[misc]
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            # n > 1 with a seed: choice i uses seed + i, so choices differ yet repeat run to run.
-            seed=None if self.seed is None else self.seed + index,
-            stop=self.stop_list(),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-        )
+        values = {f.name: getattr(self, f.name) for f, k in knobs().items() if k.openai}
+        values.update(max_tokens=max_tokens, logprobs=logprobs, stop=self.stop_list())
+        if self.seed is not None:  # n > 1 with a seed: choice i uses seed + i, so choices differ yet repeat run to run
+            values["seed"] = self.seed + index
+        return SamplingParams(**values)
 
 
 class CompletionRequest(_Common):

@@ -28,24 +28,15 @@ except ImportError:  # imported outside Triton (docs, tests of the helpers below
 
 from precast.errors import PrecastError
 from precast.runtime.llm import LLM
-from precast.runtime.sampling_params import SamplingParams
+from precast.runtime.sampling_params import SamplingParams, field_type, knobs
 
-# Optional scalar inputs -> (SamplingParams field, type).
-SCALARS = {
-    "max_tokens": ("max_tokens", int),
-    "request_output_len": ("max_tokens", int),
-    "temperature": ("temperature", float),
-    "top_k": ("top_k", int),
-    "top_p": ("top_p", float),
-    "min_p": ("min_p", float),
-    "repetition_penalty": ("repetition_penalty", float),
-    "presence_penalty": ("presence_penalty", float),
-    "frequency_penalty": ("frequency_penalty", float),
-    "seed": ("seed", int),
-    "min_tokens": ("min_tokens", int),
-}
 DEFAULT_MAX_TOKENS = 64
 _CANCEL_POLL_S = 0.05
+
+
+def sampling_inputs() -> list[tuple[Any, str, str]]:
+    """(SamplingParams field, Triton input name, Triton data type) of every sampling input (the schema's)."""
+    return [(f, name, k.triton) for f, k in knobs().items() if k.triton for name in (k.triton_names or (f.name,))]
 
 
 def _get(request: Any, name: str) -> np.ndarray | None:
@@ -78,12 +69,14 @@ def parse_request(get: Any, tokenizer: Any) -> tuple[list[int] | str, SamplingPa
         value = _scalar(text)
         prompt = value.decode("utf-8") if isinstance(value, bytes) else str(value)
     params = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=0.0)
-    for name, (field, kind) in SCALARS.items():
+    for f, name, _ in sampling_inputs():
+        if field_type(f) == "list[str]":
+            if get(name) is not None:
+                setattr(params, f.name, _strings(get(name)))
+            continue
         value = _scalar(get(name))
         if value is not None:
-            setattr(params, field, kind(value))
-    params.stop = _strings(get("stop_words"))
-    params.bad_words = _strings(get("bad_words"))
+            setattr(params, f.name, {"int": int, "float": float}[field_type(f)](value))
     end_id = _scalar(get("end_id"))
     if end_id is not None:
         params.stop_token_ids = [int(end_id)]

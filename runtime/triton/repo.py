@@ -8,27 +8,17 @@ from pathlib import Path
 
 from precast.engine.directory import load_engine
 from precast.errors import PrecastError
+from precast.runtime.triton.model import sampling_inputs
 
-# (name, Triton type, dims) of every input; all optional, the model checks that a prompt is present.
+# (name, Triton type, dims) of every input; all optional, the model checks that a prompt is present. The
+# sampling inputs come from SamplingParams' schema (scalars [1], string lists [-1]).
 INPUTS = [
     ("text_input", "TYPE_STRING", "[ 1 ]"),
     ("input_ids", "TYPE_INT32", "[ -1 ]"),
     ("input_lengths", "TYPE_INT32", "[ 1 ]"),
-    ("max_tokens", "TYPE_INT32", "[ 1 ]"),
-    ("request_output_len", "TYPE_INT32", "[ 1 ]"),
-    ("min_tokens", "TYPE_INT32", "[ 1 ]"),
     ("stream", "TYPE_BOOL", "[ 1 ]"),
     ("streaming", "TYPE_BOOL", "[ 1 ]"),
-    ("temperature", "TYPE_FP32", "[ 1 ]"),
-    ("top_k", "TYPE_INT32", "[ 1 ]"),
-    ("top_p", "TYPE_FP32", "[ 1 ]"),
-    ("min_p", "TYPE_FP32", "[ 1 ]"),
-    ("repetition_penalty", "TYPE_FP32", "[ 1 ]"),
-    ("presence_penalty", "TYPE_FP32", "[ 1 ]"),
-    ("frequency_penalty", "TYPE_FP32", "[ 1 ]"),
-    ("seed", "TYPE_UINT64", "[ 1 ]"),
-    ("stop_words", "TYPE_STRING", "[ -1 ]"),
-    ("bad_words", "TYPE_STRING", "[ -1 ]"),
+    *[(name, kind, "[ -1 ]" if kind == "TYPE_STRING" else "[ 1 ]") for _, name, kind in sampling_inputs()],
     ("end_id", "TYPE_INT32", "[ 1 ]"),
     ("exclude_input_in_output", "TYPE_BOOL", "[ 1 ]"),
     ("return_log_probs", "TYPE_BOOL", "[ 1 ]"),
