@@ -97,7 +97,7 @@ class _Tracker:
             if self.detok.stopped:
                 # A stop string: the text is cut there and the request ends now.
                 if not finished:
-                    self.llm._executor.cancel(o.request_id)
+                    self.llm.cancel(o.request_id)
                 o.finish_reason = "stop"
             o.text = self.detok.text
         return RequestOutput(**{k: (list(v) if isinstance(v, list) else v) for k, v in o.__dict__.items()})
@@ -160,7 +160,8 @@ class LLM:
         return int(min(full * per_token, available * DEFAULT_KV_FRACTION))
 
     # ---- requests -------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The token ids a prompt runs as: text tokenized, ids checked to be a list of ints."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise PrecastError("this engine has no tokenizer; pass token ids")
@@ -185,7 +186,7 @@ class LLM:
     ) -> _Tracker:
         if self._closed:
             raise PrecastError("this LLM has been shut down")
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.prompt_ids(prompt)
         req = self._request(prompt_ids, params, streaming)
         with self._lock:  # the dispatcher routes nothing for this id before its sink exists
             try:
@@ -207,16 +208,21 @@ class LLM:
                     sink(resp)
 
     # ---- blocking API ---------------------------------------------------------------
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | None = None) -> Any:
-        """Generate for one prompt (returns a RequestOutput) or a list (returns a list), all in flight together."""
-        params = params or SamplingParams()
+    def generate(
+        self, prompts: str | list[int] | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> Any:
+        """Generate for one prompt (returns a RequestOutput) or a list (returns a list), all in flight together;
+        `params` is one SamplingParams for all, or one per prompt."""
         # An empty list is an (invalid) empty prompt, not an empty batch.
         single = isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))
         batch = [prompts] if single else list(prompts)
+        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise PrecastError(f"{len(per_prompt)} SamplingParams for {len(batch)} prompts; give one, or one per prompt")
         done: queue.Queue[RequestOutput] = queue.Queue()
         trackers = []
-        for p in batch:
-            trackers.append(self._submit(p, params, False, lambda t: lambda r, t=t: _put(done.put, t.update(r))))
+        for p, sp in zip(batch, per_prompt):
+            trackers.append(self._submit(p, sp, False, lambda t: lambda r, t=t: _put(done.put, t.update(r))))
         results: dict[int, RequestOutput] = {}
         while len(results) < len(trackers):
             out = done.get()
@@ -280,6 +286,11 @@ class LLM:
 
     def stats(self) -> Any:
         return self._executor.stats()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV cache blocks in the pool (the budget, kv_cache_memory, divided by one block's bytes)."""
+        return self._executor.num_kv_blocks
 
     def check_integrity(self) -> None:
         self._executor.check_integrity()

@@ -263,7 +263,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, max_concurre
         if not raw:
             raise OpenAIError(400, "the prompt is empty", param="prompt")
         try:
-            prompts = [llm._prompt_ids(p) for p in raw]
+            prompts = [llm.prompt_ids(p) for p in raw]
         except PrecastError as e:
             raise OpenAIError(400, str(e), param="prompt") from e
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS

@@ -143,7 +143,7 @@ class TritonPythonModel:
                 return self._finish(sender, None)
             prompt, params, flags = parse_request(lambda n: _get(request, n), self.llm.tokenizer)
             flags["stream"] = flags["stream"] and self.decoupled
-            prompt_ids = self.llm._prompt_ids(prompt)
+            prompt_ids = self.llm.prompt_ids(prompt)
             if not flags["exclude_input"] and not flags["token_level"] and isinstance(prompt, str):
                 prefix = prompt
             else:

@@ -76,7 +76,7 @@ def test_chunked_prefill_and_preemption_match_unconstrained(smollm2_bf16_engine,
     # 16 blocks of 32 tokens hold ~3 of these requests at full length: the rest wait or get
     # preempted; 48 tokens per step forces every prompt through chunked prefill.
     with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48, prefix_reuse=False) as tight:
-        assert tight._executor.num_kv_blocks == 16
+        assert tight.num_kv_blocks == 16
         outs = tight.generate(prompts, params)
         stats = tight.stats()
         assert [o.token_ids for o in outs] == reference
@@ -93,7 +93,7 @@ def test_prefix_statistics_count_each_request_once_under_retries_and_preemption(
     prompts = [shared + tail for tail in tails]
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # 5 x ~8 blocks do not fit in 16
     with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48) as tight:
-        assert tight._executor.num_kv_blocks == 16
+        assert tight.num_kv_blocks == 16
         first = tight.generate(prompts[0], params)  # caches the shared prefix
         before = tight.stats()
         outs = tight.generate(prompts[1:], params)
@@ -170,14 +170,11 @@ def test_many_random_requests_complete(tiny_engines):
             )
             for _ in prompts
         ]
-        trackers = [llm._submit(p, sp, False, lambda t: lambda r, t=t: t.update(r)) for p, sp in zip(prompts, params)]
-        deadline = time.time() + 300
-        while any(not t.out.finished for t in trackers) and time.time() < deadline:
-            time.sleep(0.05)
-        assert all(t.out.finished for t in trackers)
-        for t, sp in zip(trackers, params):
-            assert t.out.finish_reason == "length" and len(t.out.token_ids) == sp.max_tokens
-            assert len(t.out.logprobs) == sp.max_tokens
+        outs = llm.generate(prompts, params)  # one SamplingParams per prompt
+        assert all(o.finished for o in outs)
+        for o, sp in zip(outs, params):
+            assert o.finish_reason == "length" and len(o.token_ids) == sp.max_tokens
+            assert len(o.logprobs) == sp.max_tokens
         assert llm.stats().preemptions > 0  # 10 blocks of 32 tokens cannot hold them all
         wait_idle(llm)
         llm.check_integrity()
