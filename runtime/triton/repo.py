@@ -8,7 +8,7 @@ from pathlib import Path
 
 from precast.engine.directory import load_engine
 from precast.errors import PrecastError
-from precast.runtime.triton.model import sampling_inputs
+from precast.runtime.triton.translate import sampling_inputs
 
 # (name, Triton type, dims) of every input; all optional, the model checks that a prompt is present. The
 # sampling inputs come from SamplingParams' schema (scalars [1], string lists [-1]).

@@ -1,0 +1,151 @@
+"""Running jobs for the HTTP app: latency metrics, the concurrency limit, disconnects, server-sent events.
+
+A job is one choice (runtime/server/translate.py). Every choice is one request in the shared LLM, so
+choices of all clients batch together; a consumer that stops (a closed stream, a client gone) cancels
+the requests it was waiting for, which frees their KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+
+from precast.errors import PrecastError
+from precast.runtime.llm import LLM, RequestOutput
+from precast.runtime.server.metrics import ServerMetrics
+from precast.runtime.server.translate import Job, OpenAIError, Translator
+
+ChoiceBuilder = Callable[[int, RequestOutput, int], dict[str, Any]]  # (index, output, first new token) -> choice
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Generation:
+    def __init__(self, llm: LLM, metrics: ServerMetrics, max_concurrency: int | None):
+        self.llm, self.metrics = llm, metrics
+        self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def run_choice(self, job: Job, arrival: float) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, with latency metrics; cancelled with its consumer."""
+        last: float | None = None
+        agen = self.llm.generate_async(*job)
+        while True:
+            try:
+                out = await agen.__anext__()
+            except StopAsyncIteration:
+                return
+            except PrecastError as e:  # rejected by the executor (e.g. more KV than the whole cache)
+                raise OpenAIError(400, str(e)) from e
+            now = time.perf_counter()
+            if out.delta_token_ids:
+                self.metrics.observe_token(arrival, last, now, len(out.delta_token_ids))
+                last = now
+            if out.finished:
+                self.metrics.observe_finished(arrival, now)
+                if out.finish_reason == "error":
+                    raise OpenAIError(500, f"generation failed: {out.error}", "server_error")
+            yield out
+
+    async def collect_all(self, request: Request, jobs: list[Job], arrival: float) -> list[RequestOutput]:
+        """Every job's final output; all are cancelled if the client goes away first."""
+
+        async def collect(job: Job) -> RequestOutput:
+            final = None
+            async for out in self.run_choice(job, arrival):
+                final = out
+            assert final is not None
+            return final
+
+        async def guarded() -> list[RequestOutput]:
+            if self.limit is None:
+                return await asyncio.gather(*(collect(j) for j in jobs))
+            async with self.limit:
+                return await asyncio.gather(*(collect(j) for j in jobs))
+
+        task = asyncio.ensure_future(guarded())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+        return task.result()
+
+    async def events(
+        self,
+        jobs: list[Job],
+        arrival: float,
+        base: dict[str, Any],
+        choice: ChoiceBuilder,
+        include_usage: bool,
+        preamble: list[dict[str, Any]],
+    ) -> AsyncIterator[str]:
+        """Server-sent events for all choices, under the concurrency limit; `choice` builds each chunk's choice."""
+        if self.limit is None:
+            async for event in self._events(jobs, arrival, base, choice, include_usage, preamble):
+                yield event
+            return
+        async with self.limit:
+            async for event in self._events(jobs, arrival, base, choice, include_usage, preamble):
+                yield event
+
+    async def _events(
+        self,
+        jobs: list[Job],
+        arrival: float,
+        base: dict[str, Any],
+        choice: ChoiceBuilder,
+        include_usage: bool,
+        preamble: list[dict[str, Any]],
+    ) -> AsyncIterator[str]:
+        for event in preamble:
+            yield sse(event)
+        finals: dict[int, RequestOutput] = {}
+        seen = [0] * len(jobs)
+        try:
+            async for i, out in merged([self.run_choice(j, arrival) for j in jobs]):
+                c = choice(i, out, seen[i])
+                seen[i] = len(out.token_ids)
+                if out.delta or out.finished or c.get("logprobs"):
+                    yield sse(base | {"choices": [c]})
+                if out.finished:
+                    finals[i] = out
+        except OpenAIError as e:
+            yield sse({"error": {"message": e.message, "type": e.type}})
+            return
+        if include_usage:
+            yield sse(base | {"choices": [], "usage": Translator.usage(list(finals.values()), jobs)})
+        yield "data: [DONE]\n\n"
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several choices' outputs as they come; cancels all if the consumer stops."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as e:  # surfaced to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
