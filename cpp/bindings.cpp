@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <optional>
+#include <tuple>
 
 #include "check.h"
 #include "cpu/memory_bandwidth.h"
@@ -396,6 +397,69 @@ PYBIND11_MODULE(_C, m) {
       .def("shutdown", &Executor::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("check_integrity", &Executor::check_integrity, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_kv_blocks", &Executor::num_kv_blocks);
+
+  // The scheduler with its own KV manager, driven step by step from Python (tests of its invariants):
+  // advance() does what the executor does with a step's result (tokens computed, blocks committed, one
+  // sampled token appended where the request samples).
+  struct SchedulerHarness {
+    KvCacheManager kv;
+    Scheduler scheduler;
+    uint64_t next_arrival = 0;
+    SchedulerHarness(int num_blocks, int tokens_per_block, int max_batch_size, int max_num_tokens, bool chunked_prefill,
+                     bool prefix_reuse)
+        : kv(num_blocks, tokens_per_block, prefix_reuse),
+          scheduler(SchedulerConfig{max_batch_size, max_num_tokens, chunked_prefill}, kv,
+                    std::make_unique<PriorityFcfsPolicy>()) {}
+  };
+  py::class_<SchedulerHarness>(m, "Scheduler")
+      .def(py::init<int, int, int, int, bool, bool>(), py::arg("num_blocks"), py::arg("tokens_per_block"),
+           py::arg("max_batch_size"), py::arg("max_num_tokens"), py::arg("chunked_prefill") = true,
+           py::arg("prefix_reuse") = true)
+      .def(
+          "add",
+          [](SchedulerHarness& h, RequestId id, std::vector<TokenId> prompt, int max_tokens, int priority) {
+            Request r;
+            r.prompt = std::move(prompt);
+            r.max_tokens = max_tokens;
+            r.priority = priority;
+            h.scheduler.add(std::make_unique<RequestState>(id, std::move(r), h.next_arrival++, 0));
+          },
+          py::arg("id"), py::arg("prompt"), py::arg("max_tokens"), py::arg("priority") = 0)
+      .def("schedule",
+           [](SchedulerHarness& h) {
+             std::vector<std::tuple<RequestId, int, bool>> out;
+             for (const ScheduledRequest& s : h.scheduler.schedule())
+               out.emplace_back(s.state->id, s.num_tokens, s.sample);
+             return out;
+           })
+      .def("advance",
+           [](SchedulerHarness& h, const std::vector<std::tuple<RequestId, int, bool>>& scheduled, TokenId sampled) {
+             for (const auto& [id, num_tokens, sample] : scheduled) {
+               for (const auto& r : h.scheduler.running()) {
+                 if (r->id != id) continue;
+                 r->num_computed += num_tokens;
+                 h.kv.commit(id, r->tokens, r->num_computed);
+                 if (sample) r->tokens.push_back(sampled);
+               }
+             }
+           })
+      .def("remove", [](SchedulerHarness& h, RequestId id) { return h.scheduler.remove(id) != nullptr; })
+      .def("running",
+           [](const SchedulerHarness& h) {
+             std::vector<RequestId> ids;
+             for (const auto& r : h.scheduler.running()) ids.push_back(r->id);
+             return ids;
+           })
+      .def("waiting", [](const SchedulerHarness& h) { return h.scheduler.waiting_ids(); })
+      .def("num_tokens",
+           [](const SchedulerHarness& h, RequestId id) {
+             for (const auto& r : h.scheduler.running())
+               if (r->id == id) return int(r->tokens.size());
+             return -1;
+           })
+      .def_property_readonly("num_preemptions", [](const SchedulerHarness& h) { return h.scheduler.num_preemptions(); })
+      .def("kv_stats", [](const SchedulerHarness& h) { return h.kv.stats(); })
+      .def("check_integrity", [](const SchedulerHarness& h) { h.kv.check_integrity(); });
 
   py::class_<KvCacheManager>(m, "KvCacheManager")
       .def(py::init<int, int, bool>(), py::arg("num_blocks"), py::arg("tokens_per_block"),

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <random>
 #include <stdexcept>
+#include <utility>
 
 #include "check.h"
 
@@ -159,51 +160,65 @@ void Executor::refresh_stats_locked() {
   stats_.kv = kv_->stats();
 }
 
+// The loop: wait for work, take what clients sent (requests, cancels, an audit), run one step.
 void Executor::loop() {
-  while (true) {
-    std::vector<std::unique_ptr<RequestState>> incoming;
-    std::vector<RequestId> cancels;
-    bool audit = false;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      work_cv_.wait(lock, [&] {
-        return stop_ || audit_requested_ || !incoming_.empty() || !cancels_.empty() || scheduler_->num_running() > 0 ||
-               scheduler_->num_waiting() > 0;
-      });
-      if (stop_) break;
-      incoming.swap(incoming_);
-      cancels.swap(cancels_);
-      std::swap(audit, audit_requested_);
-    }
-    if (audit) {
-      std::string error;
-      try {
-        kv_->check_integrity();
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-      std::lock_guard<std::mutex> lock(mutex_);
-      audit_error_ = error;
-      audit_done_ = true;
-      response_cv_.notify_all();
-    }
-    for (auto& r : incoming) scheduler_->add(std::move(r));
-    std::vector<Response> cancelled;
-    for (RequestId id : cancels) {
-      if (auto r = scheduler_->remove(id)) {
-        r->pending.request_id = id;
-        finish(*r, FinishReason::kCancelled, r->pending);
-        cancelled.push_back(std::move(r->pending));
-      }
-    }
-    if (!cancelled.empty()) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      refresh_stats_locked();
-    }
-    emit(std::move(cancelled));
+  Work work;
+  while (wait_for_work(work)) {
+    if (work.audit) run_audit();
+    for (auto& r : work.incoming) scheduler_->add(std::move(r));
+    cancel_now(work.cancels);
     if (scheduler_->num_running() + scheduler_->num_waiting() > 0) step();
   }
-  // Shutting down: every unfinished request ends with an error response.
+  fail_unfinished();
+}
+
+bool Executor::wait_for_work(Work& work) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  work_cv_.wait(lock, [&] {
+    return stop_ || audit_requested_ || !incoming_.empty() || !cancels_.empty() || scheduler_->num_running() > 0 ||
+           scheduler_->num_waiting() > 0;
+  });
+  if (stop_) return false;
+  work.incoming.clear();
+  work.cancels.clear();
+  work.incoming.swap(incoming_);
+  work.cancels.swap(cancels_);
+  work.audit = std::exchange(audit_requested_, false);
+  return true;
+}
+
+void Executor::run_audit() {
+  std::string error;
+  try {
+    kv_->check_integrity();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  audit_error_ = error;
+  audit_done_ = true;
+  response_cv_.notify_all();
+}
+
+void Executor::cancel_now(const std::vector<RequestId>& ids) {
+  std::vector<Response> cancelled;
+  for (RequestId id : ids) {
+    if (auto r = scheduler_->remove(id)) {
+      r->pending.request_id = id;
+      finish(*r, FinishReason::kCancelled, r->pending);
+      cancelled.push_back(std::move(r->pending));
+    }
+  }
+  if (cancelled.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refresh_stats_locked();
+  }
+  emit(std::move(cancelled));
+}
+
+// Shutting down: every unfinished request ends with an error response.
+void Executor::fail_unfinished() {
   std::vector<Response> rest;
   for (RequestId id : std::vector<RequestId>(live_.begin(), live_.end())) {
     Response resp;
@@ -242,18 +257,25 @@ void Executor::sample_into(RequestState& r, float* logits, int vocab, Response& 
   }
 }
 
+// One step: pack the scheduled requests into a batch, run the model, update every request from its logits.
 void Executor::step() {
-  std::vector<ScheduledRequest> scheduled = scheduler_->schedule();
+  const std::vector<ScheduledRequest> scheduled = scheduler_->schedule();
   if (scheduled.empty()) {
     // Nothing fits although requests wait: only possible when a waiting request can
     // never fit, which validate() rules out; wait briefly rather than spin.
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     return;
   }
+  const Batch batch = pack(scheduled);
+  std::string error;
+  std::vector<float> logits = forward(batch, error);  // the sampler edits its rows in place
+  update(scheduled, logits, error);
+}
+
+Batch Executor::pack(const std::vector<ScheduledRequest>& scheduled) const {
   Batch batch;
-  int num_context = 0;
   for (const ScheduledRequest& s : scheduled) {
-    RequestState& r = *s.state;
+    const RequestState& r = *s.state;
     BatchSequence seq;
     seq.request_id = r.id;
     seq.context_len = r.num_computed;
@@ -265,29 +287,37 @@ void Executor::step() {
       batch.token_ids.push_back(r.tokens[r.num_computed + i]);
       batch.positions.push_back(r.num_computed + i);
     }
-    num_context += r.num_computed < r.num_prompt;
     batch.sequences.push_back(std::move(seq));
   }
+  return batch;
+}
 
-  std::vector<float> logits;
-  std::string error;
+std::vector<float> Executor::forward(const Batch& batch, std::string& error) {
   try {
-    logits = runner_->forward(batch);
+    std::vector<float> logits = runner_->forward(batch);
     PRECAST_CHECK(logits.size() == size_t(batch.num_sampling()) * runner_->vocab_size(),
                   "runner returned " << logits.size() << " logits");
+    return logits;
   } catch (const std::exception& e) {
-    error = std::string("model runner failed: ") + e.what();
+    error = std::string("model runner failed: ") + e.what();  // every request of the step ends with it
+    return {};
   }
+}
 
+// Each request: its computed tokens committed to the KV cache, a token sampled where it samples, a response
+// emitted when it streams or finishes; finished ones leave the scheduler.
+void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vector<float>& logits,
+                      const std::string& error) {
   std::vector<Response> responses;
   std::vector<RequestId> finished;
   const int vocab = runner_->vocab_size();
-  int row = 0;
+  int row = 0, num_context = 0;
   int64_t prompt_tokens = 0, generated = 0;
   for (const ScheduledRequest& s : scheduled) {
     RequestState& r = *s.state;
     Response& resp = r.pending;
     resp.request_id = r.id;
+    num_context += r.num_computed < r.num_prompt;
     if (!error.empty()) {
       finish(r, FinishReason::kError, resp, error);
     } else {

@@ -65,8 +65,20 @@ class Executor {
   int num_kv_blocks() const { return num_blocks_; }
 
  private:
+  struct Work {  // what clients sent since the last step
+    std::vector<std::unique_ptr<RequestState>> incoming;
+    std::vector<RequestId> cancels;
+    bool audit = false;
+  };
   void loop();
+  bool wait_for_work(Work& work);  // false: shutting down
+  void run_audit();
+  void cancel_now(const std::vector<RequestId>& ids);
+  void fail_unfinished();
   void step();
+  Batch pack(const std::vector<ScheduledRequest>& scheduled) const;
+  std::vector<float> forward(const Batch& batch, std::string& error);
+  void update(const std::vector<ScheduledRequest>& scheduled, std::vector<float>& logits, const std::string& error);
   void sample_into(RequestState& r, float* logits, int vocab, Response& resp);
   void finish(RequestState& r, FinishReason reason, Response& response, const std::string& error = {});
   void validate(const Request& request) const;

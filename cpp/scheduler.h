@@ -77,6 +77,11 @@ class Scheduler {
   int num_running() const { return int(running_.size()); }
   int64_t num_preemptions() const { return preemptions_; }
   const std::vector<std::unique_ptr<RequestState>>& running() const { return running_; }
+  std::vector<RequestId> waiting_ids() const {  // in admission order
+    std::vector<RequestId> ids;
+    for (const auto& r : waiting_) ids.push_back(r->id);
+    return ids;
+  }
 
  private:
   void preempt_last();
