@@ -280,11 +280,15 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tokens"), py::arg("logits") = true,
           "Run one token sequence from position 0 (not while an executor uses this runner); logits [tokens, vocab].")
-      .def("start_calibration", &CpuRunner::start_calibration, py::arg("max_sample_rows") = 0,
-           py::arg("sample_every") = 1)
-      .def("calibration_stats", [](const CpuRunner& r) {
+      .def("set_observer", &CpuRunner::set_observer, py::arg("observer").none(true), py::keep_alive<1, 2>(),
+           "Attach an ActivationObserver (e.g. a CalibrationRecorder) to every later pass, or None to detach.");
+
+  py::class_<ActivationObserver>(m, "ActivationObserver");
+  py::class_<CalibrationRecorder, ActivationObserver>(m, "CalibrationRecorder")
+      .def(py::init<int, int64_t>(), py::arg("max_sample_rows") = 0, py::arg("sample_every") = 1)
+      .def("stats", [](const CalibrationRecorder& recorder) {
         py::dict out;
-        for (const auto& [name, s] : r.calibration()) {
+        for (const auto& [name, s] : recorder.stats()) {
           py::dict d;
           d["rows"] = s.rows;
           d["amax"] = to_numpy(s.amax);

@@ -99,7 +99,12 @@ void CpuRunner::finalize() {
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer l;
-    l.prefix = p;
+    l.qkv_name = p + "attn.qkv";
+    l.o_name = p + "attn.o";
+    l.gate_up_name = p + "mlp.gate_up";
+    l.down_name = p + "mlp.down";
+    l.k_name = p + "attn.k";
+    l.v_name = p + "attn.v";
     l.qkv = matrix(p + "attn.qkv.weight");
     l.o = matrix(p + "attn.o.weight");
     l.gate_up = matrix(p + "mlp.gate_up.weight");
@@ -123,47 +128,26 @@ int64_t CpuRunner::kv_block_bytes(int tokens_per_block) const {
   return int64_t(config_.num_layers) * 2 * config_.num_kv_heads * tokens_per_block * config_.head_dim * element;
 }
 
-void CpuRunner::configure_kv(int num_blocks, int tokens_per_block) {
+void CpuRunner::allocate(KvPool& pool, int num_blocks, int tokens_per_block) const {
   const int64_t per_layer = kv_block_bytes(tokens_per_block) / (2 * config_.num_layers) * num_blocks;
-  k_cache_.clear();
-  v_cache_.clear();
+  pool.k.clear();
+  pool.v.clear();
   for (int i = 0; i < config_.num_layers; ++i) {
-    k_cache_.emplace_back(new uint8_t[per_layer]);
-    v_cache_.emplace_back(new uint8_t[per_layer]);
+    pool.k.emplace_back(new uint8_t[per_layer]);
+    pool.v.emplace_back(new uint8_t[per_layer]);
   }
-  tokens_per_block_ = tokens_per_block;
-  num_kv_blocks_ = num_blocks;
+  pool.tokens_per_block = tokens_per_block;
+  pool.num_blocks = num_blocks;
 }
 
-void CpuRunner::start_calibration(int max_sample_rows, int64_t sample_every) {
-  calibration_.clear();
-  calibrating_ = true;
-  max_sample_rows_ = std::max(0, max_sample_rows);
-  sample_every_ = std::max<int64_t>(1, sample_every);
-}
-
-void CpuRunner::observe(const std::string& name, const float* x, int num_rows, int cols, int64_t stride) {
-  ChannelStats& s = calibration_[name];
-  if (s.cols == 0) {
-    s.cols = cols;
-    s.amax.assign(cols, 0.0f);
-    s.abs_sum.assign(cols, 0.0);
-  }
-  for (int r = 0; r < num_rows; ++r, ++s.rows) {
-    const float* row = x + int64_t(r) * stride;
-    for (int i = 0; i < cols; ++i) {
-      s.amax[i] = std::max(s.amax[i], std::fabs(row[i]));
-      s.abs_sum[i] += std::fabs(row[i]);
-    }
-    if (s.rows % sample_every_ == 0 && int64_t(s.samples.size()) < int64_t(max_sample_rows_) * cols)
-      s.samples.insert(s.samples.end(), row, row + cols);
-  }
+void CpuRunner::configure_kv(int num_blocks, int tokens_per_block) {
+  allocate(serving_kv_, num_blocks, tokens_per_block);
 }
 
 void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias,
                       float* y) {
   const int cols = l.weight.cols;
-  if (calibrating_ && !name.empty()) observe(name, x, num_rows, cols, cols);
+  if (observer_ && !name.empty()) observer_->observe(name, x, num_rows, cols, cols);
   if (l.act != ActQuant::kNone) {
     quantized_input_.resize(size_t(num_rows) * cols);
     if (l.act == ActQuant::kFp8Static)
@@ -179,9 +163,9 @@ std::vector<float> CpuRunner::evaluate(const std::vector<int>& tokens, bool logi
   PRECAST_CHECK(finalized_, "call finalize() after loading weights");
   const int T = int(tokens.size());
   if (T == 0) return {};
-  const int B = tokens_per_block_ > 0 ? tokens_per_block_ : 32;
+  const int B = 32;
   const int blocks = (T + B - 1) / B;
-  if (num_kv_blocks_ < blocks || tokens_per_block_ != B) configure_kv(blocks, B);
+  if (eval_kv_.num_blocks < blocks) allocate(eval_kv_, blocks, B);
   Batch batch;
   batch.token_ids = tokens;
   for (int t = 0; t < T; ++t) batch.positions.push_back(t);
@@ -190,14 +174,16 @@ std::vector<float> CpuRunner::evaluate(const std::vector<int>& tokens, bool logi
   seq.sample = logits;
   for (int b = 0; b < blocks; ++b) seq.block_table.push_back(b);
   batch.sequences.push_back(seq);
-  return run(batch, logits);
+  return run(batch, logits, eval_kv_);
 }
 
-std::vector<float> CpuRunner::forward(const Batch& batch) { return run(batch, false); }
+std::vector<float> CpuRunner::forward(const Batch& batch) {
+  PRECAST_CHECK(serving_kv_.num_blocks > 0, "configure_kv() was not called");
+  return run(batch, false, serving_kv_);
+}
 
-std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
+std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvPool& kv) {
   PRECAST_CHECK(finalized_, "call finalize() after loading weights");
-  PRECAST_CHECK(tokens_per_block_ > 0, "configure_kv() was not called");
   const CpuModelConfig& c = config_;
   const int T = int(batch.token_ids.size()), H = c.hidden_size, D = c.head_dim;
   const int q_size = c.num_heads * D, kv_size = c.num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
@@ -237,16 +223,16 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
   bool mlp_pending = false;  // tmp_ holds the previous layer's MLP output, not yet added to x_
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
-    PagedKvLayer cache{k_cache_[li].get(),
-                       v_cache_[li].get(),
-                       tokens_per_block_,
+    PagedKvLayer cache{kv.k[li].get(),
+                       kv.v[li].get(),
+                       kv.tokens_per_block,
                        c.num_kv_heads,
                        D,
                        c.kv_fp8,
                        c.kv_fp8 ? c.k_scales[li] : 1.0f,
                        c.kv_fp8 ? c.v_scales[li] : 1.0f};
     add_then_norm(mlp_pending, L.attn_norm);
-    apply(*L.qkv, L.prefix + "attn.qkv", h_.data(), T, L.qkv_bias, qkv_.data());
+    apply(*L.qkv, L.qkv_name, h_.data(), T, L.qkv_bias, qkv_.data());
     rows_parallel(T, [&](int r0, int n) {
       for (int t = r0; t < r0 + n; ++t) {
         float* q = qkv_.data() + size_t(t) * qkv_size;
@@ -260,40 +246,41 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits) {
         write_kv(cache, token_table[t], batch.positions[t], k, k + kv_size);
       }
     });
-    if (calibrating_) {  // K after norm and rotation, V: what the cache stores
-      observe(L.prefix + "attn.k", qkv_.data() + q_size, T, kv_size, qkv_size);
-      observe(L.prefix + "attn.v", qkv_.data() + q_size + kv_size, T, kv_size, qkv_size);
+    if (observer_) {  // K after norm and rotation, V: what the cache stores
+      observer_->observe(L.k_name, qkv_.data() + q_size, T, kv_size, qkv_size);
+      observer_->observe(L.v_name, qkv_.data() + q_size + kv_size, T, kv_size, qkv_size);
     }
     paged_attention(pool_, cache, seqs, qkv_.data(), qkv_size, c.num_heads, L.sliding ? c.sliding_window : 0, scale,
                     attn_.data());
-    apply(*L.o, L.prefix + "attn.o", attn_.data(), T, nullptr, tmp_.data());
+    apply(*L.o, L.o_name, attn_.data(), T, nullptr, tmp_.data());
     add_then_norm(true, L.mlp_norm);
-    apply(*L.gate_up, L.prefix + "mlp.gate_up", h_.data(), T, nullptr, gate_up_.data());
+    apply(*L.gate_up, L.gate_up_name, h_.data(), T, nullptr, gate_up_.data());
     rows_parallel(T, [&](int r, int n) {
       silu_and_mul(gate_up_.data() + size_t(r) * 2 * inter, n, inter, act_.data() + size_t(r) * inter);
     });
-    apply(*L.down, L.prefix + "mlp.down", act_.data(), T, nullptr, tmp_.data());
+    apply(*L.down, L.down_name, act_.data(), T, nullptr, tmp_.data());
     mlp_pending = true;
   }
   if (mlp_pending) add_then_norm(true, nullptr);
 
   // Final norm and LM head only for the last token of each sampling sequence (every
-  // token of them with all_logits; every token's norm when calibrating).
+  // token of them with all_logits; every token's norm when observed).
   std::vector<float> rows;
   for (const BatchSequence& s : batch.sequences) {
-    if (!s.sample && !calibrating_) continue;
-    const int first = all_logits || calibrating_ ? s.token_offset : s.token_offset + s.num_tokens - 1;
+    if (!s.sample && !observer_) continue;
+    const int first = all_logits || observer_ ? s.token_offset : s.token_offset + s.num_tokens - 1;
     rows.insert(rows.end(), x_.data() + size_t(first) * H, x_.data() + size_t(s.token_offset + s.num_tokens) * H);
   }
   const int S = int(rows.size()) / H;
   std::vector<float> normed(rows.size());
   rms_norm(rows.data(), final_norm_, S, H, c.norm_eps, normed.data());
-  if (calibrating_) {
-    observe(c.tie_word_embeddings ? "embed" : "lm_head", normed.data(), S, H, H);
-    if (!all_logits) return {};  // calibration runs need no logits
+  if (observer_) {
+    observer_->observe(c.tie_word_embeddings ? "embed" : "lm_head", normed.data(), S, H, H);
+    if (!all_logits) return {};  // observed runs without logits (calibration) stop here
   }
   std::vector<float> logits(size_t(S) * c.vocab_size);
-  apply(*lm_head_, "", normed.data(), S, nullptr, logits.data());  // observed above
+  static const std::string kObservedAbove;
+  apply(*lm_head_, kObservedAbove, normed.data(), S, nullptr, logits.data());
   return logits;
 }
 

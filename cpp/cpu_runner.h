@@ -7,8 +7,9 @@
 // per-layer scales) whose block ids the KV manager hands out. Logits are computed only
 // for sequences that sample.
 //
-// Outside the executor, `evaluate` runs one token sequence for the builder's calibration
-// (recording activation statistics) and for quality measurements (logits at every position).
+// Outside the executor, `evaluate` runs one token sequence in a KV pool of its own (the
+// serving pool is never touched) for quality measurements (logits at every position) and,
+// with an ActivationObserver attached, for the builder's calibration.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "activation_observer.h"
 #include "cpu/kernels.h"
 #include "cpu/paged_attention.h"
 #include "cpu/thread_pool.h"
@@ -50,16 +52,6 @@ struct CpuModelConfig {
 // How a quantized linear layer quantizes its input.
 enum class ActQuant { kNone, kFp8Static, kNvfp4Dynamic };
 
-// Activation statistics of one linear layer's input (or of K / V), gathered by `evaluate`
-// while calibration is on.
-struct ChannelStats {
-  int cols = 0;
-  int64_t rows = 0;
-  std::vector<float> amax;      // per input channel: max |x|
-  std::vector<double> abs_sum;  // per input channel: sum |x|
-  std::vector<float> samples;   // up to max_sample_rows rows, kept every sample_every rows
-};
-
 class CpuRunner : public ModelRunner {
  public:
   explicit CpuRunner(CpuModelConfig config);
@@ -78,14 +70,13 @@ class CpuRunner : public ModelRunner {
   std::vector<float> forward(const Batch& batch) override;
   const CpuModelConfig& config() const { return config_; }
 
-  // Run `tokens` as one sequence from position 0 (standalone use: never while an executor
-  // drives this runner; it reconfigures the KV pool when too small). Returns logits for
-  // every position [tokens, vocab] when `logits` is set, else nothing.
+  // Run `tokens` as one sequence from position 0 in the evaluation KV pool (grown as needed;
+  // not concurrently with forward). Returns logits for every position [tokens, vocab] when
+  // `logits` is set, else nothing.
   std::vector<float> evaluate(const std::vector<int>& tokens, bool logits);
-  // Record activation statistics during later `evaluate` calls (linear inputs by weight
-  // name without ".weight", and "layers.{i}.attn.k" / ".v" for K and V).
-  void start_calibration(int max_sample_rows, int64_t sample_every);
-  const std::map<std::string, ChannelStats>& calibration() const { return calibration_; }
+  // Attach (or, with nullptr, detach) an observer of every later pass's activations; the
+  // caller keeps it alive while attached.
+  void set_observer(ActivationObserver* observer) { observer_ = observer; }
 
  private:
   struct Linear {
@@ -95,7 +86,8 @@ class CpuRunner : public ModelRunner {
   };
   struct Layer {
     const Linear *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
-    std::string prefix;  // "layers.{i}."
+    // Observer names of the linear inputs and of K / V ("layers.{i}.attn.qkv", ...), made once.
+    std::string qkv_name, o_name, gate_up_name, down_name, k_name, v_name;
     const float* qkv_bias = nullptr;
     const float* attn_norm = nullptr;
     const float* mlp_norm = nullptr;
@@ -107,10 +99,18 @@ class CpuRunner : public ModelRunner {
   std::pair<int, int> expected_shape(const std::string& name) const;
   const Linear* matrix(const std::string& name) const;
   const float* vector(const std::string& name) const;
-  std::vector<float> run(const Batch& batch, bool all_logits);
-  // y = linear(x) with the layer's input quantization; records x under `name` (unless empty) when calibrating.
+  // KV pools, one K and one V array per layer (float32 or E4M3 bytes). Left uninitialized on
+  // purpose: a position is always written before it is read, and untouched pages cost no
+  // physical memory.
+  struct KvPool {
+    std::vector<std::unique_ptr<uint8_t[]>> k, v;
+    int tokens_per_block = 0;
+    int num_blocks = 0;
+  };
+  void allocate(KvPool& pool, int num_blocks, int tokens_per_block) const;
+  std::vector<float> run(const Batch& batch, bool all_logits, const KvPool& kv);
+  // y = linear(x) with the layer's input quantization; x is observed as `name` (unless empty) when observed.
   void apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias, float* y);
-  void observe(const std::string& name, const float* x, int num_rows, int cols, int64_t stride);
 
   CpuModelConfig config_;
   ThreadPool pool_;
@@ -121,19 +121,11 @@ class CpuRunner : public ModelRunner {
   const Linear* lm_head_ = nullptr;
   const float* final_norm_ = nullptr;
   bool finalized_ = false;
-  // KV pools, one K and one V per layer (float32 or E4M3 bytes). Left uninitialized on
-  // purpose: a position is always written before it is read, and untouched pages cost no
-  // physical memory.
-  std::vector<std::unique_ptr<uint8_t[]>> k_cache_, v_cache_;
-  int tokens_per_block_ = 0;
-  int num_kv_blocks_ = 0;
+  KvPool serving_kv_;  // configure_kv's: block ids from the executor's KV manager
+  KvPool eval_kv_;     // evaluate's own
   // Work buffers, grown to the largest batch seen.
   std::vector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_, quantized_input_;
-  // Calibration (off unless start_calibration was called).
-  bool calibrating_ = false;
-  int max_sample_rows_ = 0;
-  int64_t sample_every_ = 1;
-  std::map<std::string, ChannelStats> calibration_;
+  ActivationObserver* observer_ = nullptr;  // not owned
 };
 
 }  // namespace precast

@@ -1,6 +1,6 @@
 """Calibration: activation statistics of a full-precision engine on real text.
 
-The engine runs on precast's own CPU runner with recording on (CpuRunner.start_calibration):
+The engine runs on precast's own CPU runner with a CalibrationRecorder attached as its activation observer:
 for every linear layer's input it keeps the per-channel max |x| and mean |x| and a bounded sample
 of rows (for AWQ's search), and for K and V the max |x| per layer. No torch; memory is the
 engine's weights plus the samples, one sequence in flight at a time.
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from precast import _C
 from precast.engine.directory import Engine
 from precast.errors import PrecastError
 from precast.runtime.cpu_backend import make_cpu_runner
@@ -99,12 +100,14 @@ def calibrate(engine: Engine, sequences: list[list[int]], max_sample_rows: int =
     start = time.perf_counter()
     runner = make_cpu_runner(engine, num_threads)
     total = sum(len(s) for s in sequences)
-    runner.start_calibration(max_sample_rows, max(1, total // max(1, max_sample_rows)) if max_sample_rows else 1)
+    recorder = _C.CalibrationRecorder(max_sample_rows, max(1, total // max(1, max_sample_rows)) if max_sample_rows else 1)
+    runner.set_observer(recorder)
     for seq in sequences:
         runner.evaluate(list(seq), False)
+    runner.set_observer(None)
     stats = {
         name: ChannelStats(np.asarray(d["amax"]), np.asarray(d["mean_abs"]), np.asarray(d["samples"]))
-        for name, d in runner.calibration_stats().items()
+        for name, d in recorder.stats().items()
     }
     del runner
     report = {

@@ -129,3 +129,31 @@ def test_runner_failure_ends_requests_with_an_error_and_the_loop_survives():
         ex.check_integrity()
     finally:
         ex.shutdown()
+
+
+def test_evaluate_leaves_the_serving_kv_pool_alone(smollm2_bf16_engine):
+    """evaluate runs in its own pool: a sequence longer than the whole serving pool neither reallocates nor
+    overwrites it, so a prefix cached before it is still reused correctly after it."""
+    from precast.engine.directory import load_engine
+    from precast.runtime.cpu_backend import make_cpu_runner
+    from precast.runtime.sampling_params import SamplingParams
+
+    engine = load_engine(smollm2_bf16_engine)
+    runner = make_cpu_runner(engine)
+    config = _C.ExecutorConfig()
+    config.max_batch_size, config.max_num_tokens, config.max_seq_len, config.tokens_per_block = 4, 256, 512, 32
+    config.kv_cache_bytes = 12 * runner.kv_block_bytes(32)
+    executor = _C.Executor(config, runner)
+    try:
+        prompt = [(7 * i) % 1000 + 5 for i in range(200)]
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        first = run(executor, [greedy.to_request(prompt, False, [])])
+        before = runner.evaluate(prompt[:40], True)
+        runner.evaluate([(3 * i) % 1000 + 5 for i in range(12 * 32 + 50)], False)  # longer than the serving pool
+        np.testing.assert_array_equal(runner.evaluate(prompt[:40], True), before)
+        again = run(executor, [greedy.to_request(prompt, False, [])])  # its prefix comes from the serving pool
+        assert executor.stats().kv.reused_blocks >= 6
+        assert list(again.values()) == list(first.values())
+        executor.check_integrity()
+    finally:
+        executor.shutdown()
