@@ -76,7 +76,7 @@ class Generation:
                 task.cancel()
         return task.result()
 
-    async def events(
+    def events(
         self,
         jobs: list[Job],
         arrival: float,
@@ -86,12 +86,13 @@ class Generation:
         preamble: list[dict[str, Any]],
     ) -> AsyncIterator[str]:
         """Server-sent events for all choices, under the concurrency limit; `choice` builds each chunk's choice."""
-        if self.limit is None:
-            async for event in self._events(jobs, arrival, base, choice, include_usage, preamble):
-                yield event
-            return
+        stream = self._events(jobs, arrival, base, choice, include_usage, preamble)
+        return stream if self.limit is None else self._limited(stream)
+
+    async def _limited(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+        assert self.limit is not None
         async with self.limit:
-            async for event in self._events(jobs, arrival, base, choice, include_usage, preamble):
+            async for event in stream:
                 yield event
 
     async def _events(
