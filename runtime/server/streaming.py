@@ -8,6 +8,7 @@ the requests it was waiting for, which frees their KV blocks at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -64,9 +65,7 @@ class Generation:
             return final
 
         async def guarded() -> list[RequestOutput]:
-            if self.limit is None:
-                return await asyncio.gather(*(collect(j) for j in jobs))
-            async with self.limit:
+            async with self.limit or contextlib.nullcontext():
                 return await asyncio.gather(*(collect(j) for j in jobs))
 
         task = asyncio.ensure_future(guarded())
@@ -76,7 +75,7 @@ class Generation:
                 task.cancel()
         return task.result()
 
-    def events(
+    async def events(
         self,
         jobs: list[Job],
         arrival: float,
@@ -86,42 +85,25 @@ class Generation:
         preamble: list[dict[str, Any]],
     ) -> AsyncIterator[str]:
         """Server-sent events for all choices, under the concurrency limit; `choice` builds each chunk's choice."""
-        stream = self._events(jobs, arrival, base, choice, include_usage, preamble)
-        return stream if self.limit is None else self._limited(stream)
-
-    async def _limited(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
-        assert self.limit is not None
-        async with self.limit:
-            async for event in stream:
-                yield event
-
-    async def _events(
-        self,
-        jobs: list[Job],
-        arrival: float,
-        base: dict[str, Any],
-        choice: ChoiceBuilder,
-        include_usage: bool,
-        preamble: list[dict[str, Any]],
-    ) -> AsyncIterator[str]:
-        for event in preamble:
-            yield sse(event)
-        finals: dict[int, RequestOutput] = {}
-        seen = [0] * len(jobs)
-        try:
-            async for i, out in merged([self.run_choice(j, arrival) for j in jobs]):
-                c = choice(i, out, seen[i])
-                seen[i] = len(out.token_ids)
-                if out.delta or out.finished or c.get("logprobs"):
-                    yield sse(base | {"choices": [c]})
-                if out.finished:
-                    finals[i] = out
-        except OpenAIError as e:
-            yield sse({"error": {"message": e.message, "type": e.type}})
-            return
-        if include_usage:
-            yield sse(base | {"choices": [], "usage": Translator.usage(list(finals.values()), jobs)})
-        yield "data: [DONE]\n\n"
+        async with self.limit or contextlib.nullcontext():
+            for event in preamble:
+                yield sse(event)
+            finals: dict[int, RequestOutput] = {}
+            seen = [0] * len(jobs)
+            try:
+                async for i, out in merged([self.run_choice(j, arrival) for j in jobs]):
+                    c = choice(i, out, seen[i])
+                    seen[i] = len(out.token_ids)
+                    if out.delta or out.finished or c.get("logprobs"):
+                        yield sse(base | {"choices": [c]})
+                    if out.finished:
+                        finals[i] = out
+            except OpenAIError as e:
+                yield sse({"error": {"message": e.message, "type": e.type}})
+                return
+            if include_usage:
+                yield sse(base | {"choices": [], "usage": Translator.usage(list(finals.values()), jobs)})
+            yield "data: [DONE]\n\n"
 
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
