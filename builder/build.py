@@ -255,7 +255,12 @@ def _convert(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
     return out
 
 
+# When the checkpoint has no sampling defaults (a GGUF file, or no generation_config.json): a mild
+# repetition penalty, without which small models loop on sampled text ("a shore, a shore, ...").
+FALLBACK_GENERATION = {"repetition_penalty": 1.1}
+
+
 def _generation_defaults(checkpoint: Checkpoint) -> dict[str, object]:
     keep = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
     gen = checkpoint.generation_config()
-    return {k: gen[k] for k in keep if gen.get(k) is not None}
+    return {k: gen[k] for k in keep if gen.get(k) is not None} or dict(FALLBACK_GENERATION)

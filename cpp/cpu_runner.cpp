@@ -5,6 +5,10 @@
 #include <cstring>
 #include <stdexcept>
 
+#if defined(__GLIBC__)
+#include <malloc.h>  // malloc_trim
+#endif
+
 #include "check.h"
 #include "cpu/quantize.h"
 
@@ -121,6 +125,12 @@ void CpuRunner::finalize() {
     layers_.push_back(l);
   }
   finalized_ = true;
+}
+
+CpuRunner::ReleaseFreedMemory::~ReleaseFreedMemory() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
 }
 
 int64_t CpuRunner::kv_block_bytes(int tokens_per_block) const {

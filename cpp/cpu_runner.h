@@ -112,6 +112,11 @@ class CpuRunner : public ModelRunner {
   // y = linear(x) with the layer's input quantization; x is observed as `name` (unless empty) when observed.
   void apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias, float* y);
 
+  // Declared first, so destroyed last, after the weights: returns the pages malloc kept for them to the
+  // OS (glibc keeps freed chunks in its arenas), so a dropped LLM gives its memory back.
+  struct ReleaseFreedMemory {
+    ~ReleaseFreedMemory();
+  } release_freed_memory_;
   CpuModelConfig config_;
   ThreadPool pool_;
   std::unordered_map<std::string, Linear> matrices_;

@@ -233,6 +233,15 @@ void Executor::fail_unfinished() {
   response_cv_.notify_all();
 }
 
+namespace {
+// A NaN or Inf in a row would make sampling pick token 0 with NaN log-probs, silently.
+bool all_finite(const float* x, int n) {
+  float sum = 0.0f;  // NaN and Inf propagate; one pass the compiler vectorizes
+  for (int i = 0; i < n; ++i) sum += x[i] * 0.0f;
+  return sum == 0.0f;
+}
+}  // namespace
+
 void Executor::sample_into(RequestState& r, float* logits, int vocab, Response& resp) {
   const Request& q = r.request;
   std::vector<TokenId> banned;
@@ -325,8 +334,16 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
       r.num_computed += s.num_tokens;
       kv_->commit(r.id, r.tokens, r.num_computed);
       if (!s.sample) continue;
-      generated += 1;
-      sample_into(r, logits.data() + int64_t(row++) * vocab, vocab, resp);
+      float* row_logits = logits.data() + int64_t(row++) * vocab;
+      if (!all_finite(row_logits, vocab)) {
+        finish(r, FinishReason::kError, resp,
+               "the model produced non-finite logits (NaN or Inf) at position " + std::to_string(r.num_computed) +
+                   "; the engine's weights or its float16 range may be at fault: check it with `precast inspect`, "
+                   "rebuild it (float16 overflows: --dtype bfloat16)");
+      } else {
+        generated += 1;
+        sample_into(r, row_logits, vocab, resp);
+      }
     }
     if (resp.finished()) finished.push_back(r.id);
     if (r.request.streaming || resp.finished()) {

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from precast.errors import PrecastError
+from precast.runtime.server.defaults import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -80,27 +81,41 @@ def _sampling_flags() -> dict[str, Any]:
 def _add_sampling_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
     """One flag per SamplingParams field the schema marks `cli` (lists repeat the flag); `defaults` override
     the schema's for this command."""
-    from precast.runtime.sampling_params import field_type, knobs
+    from precast.runtime.sampling_params import ENGINE_DEFAULTED_FIELDS, field_type, knobs
 
     for f, k in knobs().items():
         if not k.cli:
             continue
         flag, kind = "--" + f.name.replace("_", "-"), field_type(f)
         default = defaults.get(f.name, f.default)
+        # Flags left out are absent from the namespace (SUPPRESS), so the engine's generation defaults
+        # can fill them (LLM.default_sampling_params) before this command's and the schema's defaults.
         if kind == "bool":
-            parser.add_argument(flag, action="store_true", help=k.help)
+            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=k.help)
         elif kind.startswith("list["):
             item = int if kind == "list[int]" else str
-            parser.add_argument(flag, action="append", type=item, default=[], help=f"{k.help} (repeatable)")
+            parser.add_argument(flag, action="append", type=item, default=argparse.SUPPRESS, help=f"{k.help} (repeatable)")
         else:
-            parser.add_argument(flag, type=int if kind == "int" else float, default=default, help=f"{k.help} (default {default})")
+            shown = f"the engine's, else {default}" if f.name in ENGINE_DEFAULTED_FIELDS else str(default)
+            parser.add_argument(flag, type=int if kind == "int" else float, default=argparse.SUPPRESS, help=f"{k.help} (default: {shown})")
+    parser.set_defaults(**{f"_default_{name}": value for name, value in defaults.items()})
+
+
+def _sampling_from(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
+    """SamplingParams from the flags given, then the engine's generation defaults, then this command's
+    defaults, then the schema's."""
+    from precast.runtime.sampling_params import SamplingParams, engine_defaults
+
+    given = {name: getattr(args, name) for name in _sampling_flags() if hasattr(args, name)}
+    command = {k[len("_default_") :]: v for k, v in vars(args).items() if k.startswith("_default_")}
+    return SamplingParams(**(command | engine_defaults(generation) | given))
 
 
 def _run(args: argparse.Namespace) -> None:
-    from precast.runtime import LLM, SamplingParams
+    from precast.runtime import LLM
 
-    params = SamplingParams(**{name: getattr(args, name) for name in _sampling_flags()})
     with LLM(args.engine, backend=args.backend, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads) as llm:
+        params = _sampling_from(args, llm.engine.config.generation)
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         if args.stream:
             out = None
@@ -117,15 +132,17 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from precast.runtime.server.serve import serve
+    from precast.runtime.server.serve import resolve_api_key, serve
 
     serve(
         args.engine,
         args.host,
         args.port,
         model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
         max_concurrency=args.max_concurrency,
+        max_request_bytes=args.max_request_bytes,
+        drain_timeout=args.drain_timeout,
         kv_cache_memory=args.kv_cache_memory,
         num_threads=args.threads,
         log_level=args.log_level,
@@ -250,7 +267,18 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--served-model-name", help="the model name clients send (default: the engine directory's name)")
-    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    v.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: $PRECAST_API_KEY)"
+    )
+    v.add_argument("--api-key-file", help="read the API key from this file (keeps it out of the process list)")
+    v.add_argument(
+        "--max-request-bytes", type=_memory_size, default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES >> 20}MiB)",
+    )  # fmt: skip
+    v.add_argument(
+        "--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
+        help=f"on SIGTERM, seconds requests in flight may run on before they end with an error (default {DEFAULT_DRAIN_TIMEOUT:g})",
+    )  # fmt: skip
     v.add_argument("--max-concurrency", type=int, help="HTTP requests generating at once; more wait (default: no limit)")
     v.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB")
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")

@@ -13,8 +13,10 @@ queue for coroutines. So many concurrent requests, sync or async, cost one threa
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +25,9 @@ from typing import Any
 from precast import _C
 from precast.engine.directory import Engine, load_engine
 from precast.errors import PrecastError
-from precast.runtime.cpu_backend import make_cpu_runner
+from precast.runtime.cpu_backend import default_num_threads, make_cpu_runner
 from precast.runtime.detokenizer import IncrementalDetokenizer
-from precast.runtime.sampling_params import SamplingParams
+from precast.runtime.sampling_params import SamplingParams, engine_defaults
 from precast.runtime.tensorrt.runner import make_tensorrt_runner
 from precast.runtime.tokenizer import Tokenizer
 
@@ -36,7 +38,7 @@ _FINISH_REASONS = {
     _C.FinishReason.ERROR: "error",
 }
 BACKENDS = ("cpu", "tensorrt", "tensorrt-reference")  # docs/tensorrt.md for the two TensorRT ones
-DEFAULT_KV_FRACTION = 0.25  # of available RAM, when no --kv-cache-memory is given
+DEFAULT_KV_FRACTION = 0.25  # of total RAM, when no --kv-cache-memory is given
 
 
 @dataclass
@@ -60,18 +62,23 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def total_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return 8 << 30
+
+
 class _Tracker:
     """Turns one request's raw responses into RequestOutputs (text, stop strings)."""
 
-    def __init__(self, llm: LLM, request_id: int, prompt_ids: list[int], params: SamplingParams):
-        self.llm = llm
+    def __init__(self, core: _Core, request_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None):
+        self.core = core  # not the LLM: a request in flight must not keep a dropped LLM alive
         self.out = RequestOutput(request_id, prompt_ids)
         self.detok = (
-            IncrementalDetokenizer(llm.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
-            if llm.tokenizer is not None
-            else None
+            IncrementalDetokenizer(tokenizer, prompt_ids, params.stop, params.skip_special_tokens) if tokenizer is not None else None
         )
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(core.eos_token_ids))
 
     def update(self, resp: Any) -> RequestOutput | None:
         """The request's new state, or None once it already ended (a stop string ends it
@@ -97,10 +104,52 @@ class _Tracker:
             if self.detok.stopped:
                 # A stop string: the text is cut there and the request ends now.
                 if not finished:
-                    self.llm.cancel(o.request_id)
+                    self.core.executor.cancel(o.request_id)
                 o.finish_reason = "stop"
             o.text = self.detok.text
         return RequestOutput(**{k: (list(v) if isinstance(v, list) else v) for k, v in o.__dict__.items()})
+
+
+class _Core:
+    """The executor and the dispatcher thread that routes its responses to per-request sinks.
+
+    The thread references only this object, never the LLM, so an LLM that is dropped without
+    shutdown() is garbage collected; its finalizer (weakref.finalize, which also runs at interpreter
+    exit) closes this core. Closing at exit matters: a daemon thread still inside
+    `await_responses` when Python finalizes is killed by pthread_exit while it re-takes the GIL,
+    which unwinds through C++ and aborts the process ("terminate called without an active exception").
+    """
+
+    def __init__(self, executor: Any, eos_token_ids: list[int]):
+        self.executor = executor
+        self.eos_token_ids = eos_token_ids
+        self.lock = threading.Lock()
+        self.sinks: dict[int, Callable[[Any], None]] = {}
+        self.closed = False
+        self.thread = threading.Thread(target=self._dispatch, name="precast-dispatch", daemon=True)
+        self.thread.start()
+
+    def _dispatch(self) -> None:
+        while True:
+            closed = self.closed  # read before waiting: after close, one empty wait means all is routed
+            responses = self.executor.await_responses(0.1)
+            for resp in responses:
+                with self.lock:
+                    sink = self.sinks.get(resp.request_id)
+                    if resp.finished:
+                        self.sinks.pop(resp.request_id, None)
+                if sink is not None:
+                    sink(resp)
+            if closed and not responses:
+                return
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.executor.shutdown()  # joins the loop thread; unfinished requests get their final (error) response
+        self.closed = True
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)
 
 
 class LLM:
@@ -118,8 +167,10 @@ class LLM:
     ) -> None:
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
+        self.num_threads: int | None = None  # CPU threads; None on a GPU backend
         if backend == "cpu":
-            self._runner = make_cpu_runner(self.engine, num_threads)
+            self.num_threads = num_threads or default_num_threads()
+            self._runner = make_cpu_runner(self.engine, self.num_threads)
         elif backend in ("tensorrt", "tensorrt-reference"):  # docs/tensorrt.md: GPU-only / numpy reference
             self._runner = make_tensorrt_runner(self.engine, reference=backend == "tensorrt-reference")
         else:
@@ -141,31 +192,38 @@ class LLM:
         except ValueError as e:
             raise PrecastError(str(e)) from e
         self.max_seq_len = limits.max_seq_len
-        self._lock = threading.Lock()
-        self._sinks: dict[int, Callable[[Any], None]] = {}
-        self._closed = False
-        self._dispatcher = threading.Thread(target=self._dispatch, name="precast-dispatch", daemon=True)
-        self._dispatcher.start()
+        self._limits = limits
+        self._core = _Core(self._executor, self.eos_token_ids)
+        self._finalizer = weakref.finalize(self, self._core.close)  # on shutdown(), garbage collection or exit
 
     def _default_kv_bytes(self, config: Any) -> int:
-        """Enough for every request at full length, capped at a quarter of available RAM."""
+        """Enough for every request at full length, capped at a quarter of the machine's RAM: the total,
+        not what happens to be free at start, so the same engine gets the same pool on every start."""
         full = config.max_batch_size * config.max_seq_len
         per_token = self._runner.kv_block_bytes(1)
-        try:
-            import os
+        return int(min(full * per_token, total_ram_bytes() * DEFAULT_KV_FRACTION))
 
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            available = 8 << 30
-        return int(min(full * per_token, available * DEFAULT_KV_FRACTION))
+    def describe_resources(self) -> str:
+        """What this LLM holds, for a server's start line: the KV pool and the threads."""
+        kv = self._executor.stats().kv
+        blocks = kv.free_blocks + kv.used_blocks + kv.cached_blocks
+        pool_bytes = blocks * self._runner.kv_block_bytes(kv.tokens_per_block)
+        return (
+            f"KV cache {blocks:,} blocks x {kv.tokens_per_block} tokens = {blocks * kv.tokens_per_block:,} tokens "
+            f"({pool_bytes / 2**20:,.0f} MiB); batch {self._limits.max_batch_size}, seq {self.max_seq_len}"
+            + (f"; {self.num_threads} CPU threads" if self.num_threads else "")
+        )
+
+    def default_sampling_params(self, **given: Any) -> SamplingParams:
+        """SamplingParams from the engine's generation defaults (its checkpoint's generation_config.json),
+        with `given` fields on top; what generate() and stream() use when no params are passed."""
+        return SamplingParams(**(engine_defaults(self.engine.config.generation) | given))
 
     # ---- requests -------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The token ids a prompt runs as: text tokenized, ids checked to be a list of ints."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise PrecastError("this engine has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
+            return self._encode(prompt, add_special_tokens=True)
         if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
             raise PrecastError("a prompt is a string or a list of token ids")
         return list(prompt)
@@ -184,28 +242,19 @@ class LLM:
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, streaming: bool, sink_for: Callable[[_Tracker], Callable[[Any], None]]
     ) -> _Tracker:
-        if self._closed:
+        if self._core.closed:
             raise PrecastError("this LLM has been shut down")
         prompt_ids = self.prompt_ids(prompt)
         req = self._request(prompt_ids, params, streaming)
-        with self._lock:  # the dispatcher routes nothing for this id before its sink exists
+        core = self._core
+        with core.lock:  # the dispatcher routes nothing for this id before its sink exists
             try:
                 request_id = self._executor.enqueue(req)
-            except ValueError as e:
+            except (ValueError, RuntimeError) as e:
                 raise PrecastError(str(e)) from e
-            tracker = _Tracker(self, request_id, prompt_ids, params)
-            self._sinks[request_id] = sink_for(tracker)
+            tracker = _Tracker(core, request_id, prompt_ids, params, self.tokenizer)
+            core.sinks[request_id] = sink_for(tracker)
         return tracker
-
-    def _dispatch(self) -> None:
-        while not self._closed:
-            for resp in self._executor.await_responses(0.1):
-                with self._lock:
-                    sink = self._sinks.get(resp.request_id)
-                    if resp.finished:
-                        self._sinks.pop(resp.request_id, None)
-                if sink is not None:
-                    sink(resp)
 
     # ---- blocking API ---------------------------------------------------------------
     def generate(
@@ -216,7 +265,7 @@ class LLM:
         # An empty list is an (invalid) empty prompt, not an empty batch.
         single = isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))
         batch = [prompts] if single else list(prompts)
-        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        per_prompt = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(batch)
         if len(per_prompt) != len(batch):
             raise PrecastError(f"{len(per_prompt)} SamplingParams for {len(batch)} prompts; give one, or one per prompt")
         done: queue.Queue[RequestOutput] = queue.Queue()
@@ -235,7 +284,7 @@ class LLM:
         """Yield a RequestOutput per generated token (delta = the new text); the last one is finished.
         Closing the iterator early cancels the request."""
         updates: queue.Queue[RequestOutput] = queue.Queue()
-        tracker = self._submit(prompt, params or SamplingParams(), True, lambda t: lambda r: _put(updates.put, t.update(r)))
+        tracker = self._submit(prompt, params or self.default_sampling_params(), True, lambda t: lambda r: _put(updates.put, t.update(r)))
         finished = False
         try:
             while not finished:
@@ -253,7 +302,20 @@ class LLM:
         if self.tokenizer is None:
             raise PrecastError("this engine has no tokenizer")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, add_special_tokens=False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise PrecastError("this engine has no tokenizer; pass token ids")
+        # A token spans at most max_token_chars characters of the vocabulary; x4 covers normalizers that
+        # contract text (combining sequences, NFKC). Longer text cannot fit max_seq_len tokens.
+        most = self.max_seq_len * self.tokenizer.max_token_chars * 4
+        if len(text) > most:
+            raise PrecastError(
+                f"the prompt has {len(text):,} characters, far more than this engine's max_seq_len of {self.max_seq_len} "
+                "tokens can hold; shorten it"
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # ---- asyncio API ----------------------------------------------------------------
     async def generate_async(self, prompt: str | list[int], params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
@@ -269,7 +331,7 @@ class LLM:
 
             return sink
 
-        tracker = self._submit(prompt, params or SamplingParams(), True, sink_for)
+        tracker = self._submit(prompt, params or self.default_sampling_params(), True, sink_for)
         finished = False
         try:
             while not finished:
@@ -296,23 +358,15 @@ class LLM:
         self._executor.check_integrity()
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._executor.shutdown()
-        self._dispatcher.join(timeout=5)
+        """Stop the executor (requests in flight end as cancelled) and its threads. Idempotent; also done
+        when the LLM is garbage collected or the interpreter exits."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass
 
 
 def _put(put: Callable[[RequestOutput], None], out: RequestOutput | None) -> None:

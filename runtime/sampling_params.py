@@ -99,6 +99,23 @@ class SamplingParams:
         return req
 
 
+# generation_config.json's names for SamplingParams fields (the engine's `generation`, builder/build.py)
+_HF_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+
+
+ENGINE_DEFAULTED_FIELDS = frozenset(_HF_NAMES.values())
+
+
+def engine_defaults(generation: dict[str, Any]) -> dict[str, Any]:
+    """An engine's sampling defaults as SamplingParams fields. They replace the schema's defaults for
+    fields a request leaves unset (as vLLM does with generation_config.json); do_sample false is greedy."""
+    values = {_HF_NAMES[k]: v for k, v in generation.items() if k in _HF_NAMES}
+    if generation.get("do_sample") is False:
+        values["temperature"] = 0.0
+    return values
+
+
 def knobs() -> dict[dataclasses.Field, Knob]:
     return {f: f.metadata["knob"] for f in dataclasses.fields(SamplingParams)}
 

@@ -20,13 +20,24 @@ class Tokenizer:
         self.bos_token_id: int | None = info.get("bos_token_id")
         self.eos_token_ids: list[int] = list(info.get("eos_token_ids") or [])
         self.chat_template: str | None = info.get("chat_template")
+        self._max_token_chars: int | None = None
         self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         config = _read_tokenizer_config(engine.path)
         self.add_bos = bool(config.get("add_bos_token", False))
         self._template_tokens = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt tokenized in a
+        # server's worker thread does not stall its event loop.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token's vocabulary entry has: with the bound in LLM.prompt_ids, text far
+        too long for the engine is refused before the tokenizer spends seconds on it."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

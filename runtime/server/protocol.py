@@ -50,8 +50,11 @@ class _Common(create_model("_Sampling", __base__=_Body, **_sampling_fields())): 
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None, index: int, defaults: dict[str, Any]) -> SamplingParams:
+        """This choice's SamplingParams; `defaults` (the engine's, SamplingParams.engine_defaults) fill the
+        fields the body leaves out."""
         values = {f.name: getattr(self, f.name) for f, k in knobs().items() if k.openai}
+        values.update({k: v for k, v in defaults.items() if k in values and k not in self.model_fields_set})
         values.update(max_tokens=max_tokens, logprobs=logprobs, stop=self.stop_list())
         if self.seed is not None:  # n > 1 with a seed: choice i uses seed + i, so choices differ yet repeat run to run
             values["seed"] = self.seed + index

@@ -1,8 +1,12 @@
-"""Running jobs for the HTTP app: latency metrics, the concurrency limit, disconnects, server-sent events.
+"""Running jobs for the HTTP app: latency metrics, the concurrency limit, disconnects, draining, server-sent events.
 
 A job is one choice (runtime/server/translate.py). Every choice is one request in the shared LLM, so
-choices of all clients batch together; a consumer that stops (a closed stream, a client gone) cancels
-the requests it was waiting for, which frees their KV blocks at once.
+choices of all clients batch together; a consumer that stops (a closed stream, a client gone, streaming
+or not) cancels the requests it was waiting for, which frees their KV blocks at once.
+
+Draining (SIGTERM, runtime/server/serve.py): new requests get 503 at once; requests in flight run on
+until the drain timeout, then each is cancelled and ends with a final error event (streams) or a 503
+(non-streaming), so no client takes a cut stream for a complete one.
 """
 
 from __future__ import annotations
@@ -28,10 +32,35 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def shutting_down() -> OpenAIError:
+    return OpenAIError(
+        503, "the server is shutting down; retry on another replica or after it restarts", "server_error", code="shutting_down"
+    )
+
+
 class Generation:
     def __init__(self, llm: LLM, metrics: ServerMetrics, max_concurrency: int | None):
         self.llm, self.metrics = llm, metrics
         self.limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self.draining = False
+        self._stop: asyncio.Event | None = None  # set when the drain timeout ends what still runs
+
+    # ---- draining -------------------------------------------------------------------
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise shutting_down()
+
+    def begin_drain(self, timeout: float) -> None:
+        """Refuse new requests; after `timeout` seconds end every request still running (event-loop thread)."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(timeout, self._stopping().set)
+
+    def _stopping(self) -> asyncio.Event:
+        if self._stop is None:
+            self._stop = asyncio.Event()
+        return self._stop
 
     async def run_choice(self, job: Job, arrival: float) -> AsyncIterator[RequestOutput]:
         """One request's outputs, with latency metrics; cancelled with its consumer."""
@@ -55,7 +84,7 @@ class Generation:
             yield out
 
     async def collect_all(self, request: Request, jobs: list[Job], arrival: float) -> list[RequestOutput]:
-        """Every job's final output; all are cancelled if the client goes away first."""
+        """Every job's final output; all are cancelled if the client goes away first (or the drain ends)."""
 
         async def collect(job: Job) -> RequestOutput:
             final = None
@@ -69,10 +98,19 @@ class Generation:
                 return await asyncio.gather(*(collect(j) for j in jobs))
 
         task = asyncio.ensure_future(guarded())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
+        gone = asyncio.ensure_future(_disconnected(request))
+        stop = asyncio.ensure_future(self._stopping().wait())
+        try:
+            await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            stop.cancel()
+            if not task.done():
+                task.cancel()  # cancelling the consumers cancels their requests in the executor
+        if not task.done() or task.cancelled():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise shutting_down()  # the client, if it went away, reads nothing
         return task.result()
 
     async def events(
@@ -91,7 +129,7 @@ class Generation:
             finals: dict[int, RequestOutput] = {}
             seen = [0] * len(jobs)
             try:
-                async for i, out in merged([self.run_choice(j, arrival) for j in jobs]):
+                async for i, out in merged([self.run_choice(j, arrival) for j in jobs], self._stopping()):
                     c = choice(i, out, seen[i])
                     seen[i] = len(out.token_ids)
                     if out.delta or out.finished or c.get("logprobs"):
@@ -99,15 +137,22 @@ class Generation:
                     if out.finished:
                         finals[i] = out
             except OpenAIError as e:
-                yield sse({"error": {"message": e.message, "type": e.type}})
+                yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
                 return
             if include_usage:
                 yield sse(base | {"choices": [], "usage": Translator.usage(list(finals.values()), jobs)})
             yield "data: [DONE]\n\n"
 
 
-async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several choices' outputs as they come; cancels all if the consumer stops."""
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up. The body has been read, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]], stop: asyncio.Event) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several choices' outputs as they come; cancels all if the consumer stops, and ends with
+    a 503 OpenAIError when `stop` is set (the drain timeout)."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
@@ -118,9 +163,14 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         except Exception as e:  # surfaced to the consumer
             await queue.put((i, e))
 
+    async def stopper() -> None:
+        await stop.wait()
+        await queue.put((-1, shutting_down()))
+
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks.append(asyncio.create_task(stopper()))
     try:
-        remaining = len(tasks)
+        remaining = len(streams)
         while remaining:
             i, item = await queue.get()
             if item is None:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from precast.errors import PrecastError
 from precast.runtime.llm import LLM, RequestOutput
-from precast.runtime.sampling_params import SamplingParams
+from precast.runtime.sampling_params import SamplingParams, engine_defaults
 from precast.runtime.server.protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
 Job = tuple[list[int], SamplingParams]  # one choice: its prompt ids and how it is sampled
@@ -27,9 +27,13 @@ class OpenAIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+MAX_CHOICES = 2048  # prompts x n in one request: each is a request in the executor
+
+
 class Translator:
     def __init__(self, llm: LLM, model_name: str):
         self.llm, self.model_name = llm, model_name
+        self.defaults = engine_defaults(llm.engine.config.generation)  # for fields a body leaves out
 
     # ---- requests -> jobs ------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -37,6 +41,24 @@ class Translator:
             raise OpenAIError(
                 404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.", param="model", code="model_not_found"
             )
+
+    def precheck(self, data: dict[str, Any]) -> None:
+        """Bounds a raw body must meet before it is validated: validating a 4 MiB list of token ids holds
+        the GIL for a quarter second (pydantic), which would stall the event loop's thread too."""
+        limit = self.llm.max_seq_len
+        prompt, messages = data.get("prompt"), data.get("messages")
+        if isinstance(prompt, list) and prompt:
+            prompts = [prompt] if isinstance(prompt[0], int) else prompt  # one prompt of ids, or a batch
+            for p in prompts:
+                if isinstance(p, list) and len(p) > limit:
+                    self.check_length(p, 0, "prompt")  # raises: longer than the context
+            n = data.get("n", 1) if isinstance(data.get("n", 1), int) else 1
+            if len(prompts) * n > MAX_CHOICES:
+                raise OpenAIError(
+                    400, f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices in one request; split it", param="prompt"
+                )
+        if isinstance(messages, list) and len(messages) > limit:  # each message takes at least one token
+            raise OpenAIError(400, f"{len(messages)} messages cannot fit this model's context of {limit} tokens", param="messages")
 
     def check_length(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
         limit = self.llm.max_seq_len
@@ -75,7 +97,7 @@ class Translator:
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
         for p in prompts:
             self.check_length(p, max_tokens, "prompt")
-        jobs = [(p, body.sampling(max_tokens, body.logprobs, i)) for p in prompts for i in range(body.n)]
+        jobs = [(p, body.sampling(max_tokens, body.logprobs, i, self.defaults)) for p in prompts for i in range(body.n)]
         self.check_params(jobs)
         return jobs
 
@@ -91,7 +113,7 @@ class Translator:
         top = body.top_logprobs if body.top_logprobs is not None else (0 if body.logprobs else None)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        jobs = [(prompt, body.sampling(max_tokens, top, i)) for i in range(body.n)]
+        jobs = [(prompt, body.sampling(max_tokens, top, i, self.defaults)) for i in range(body.n)]
         self.check_params(jobs)
         return jobs
 

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from precast.cli import _add_sampling_arguments
+from precast.cli import _add_sampling_arguments, _sampling_from
 from precast.errors import PrecastError
-from precast.runtime.sampling_params import SamplingParams, knobs
+from precast.runtime.sampling_params import SamplingParams, field_type, knobs
 from precast.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from precast.runtime.triton.repo import INPUTS
 
@@ -22,15 +22,29 @@ def test_every_surface_carries_the_fields_the_schema_gives_it():
     parser = argparse.ArgumentParser()
     _add_sampling_arguments(parser, max_tokens=7)
     args = parser.parse_args(["--temperature", "0.5", "--stop", "a", "--stop", "b", "--ignore-eos"])
-    assert {n for n in vars(args)} == {f.name for f, k in knobs().items() if k.cli}
-    assert args.max_tokens == 7 and args.temperature == 0.5 and args.stop == ["a", "b"] and args.ignore_eos
+    assert {n for n in vars(args) if not n.startswith("_default_")} == {"temperature", "stop", "ignore_eos"}
+    every = parser.parse_args([f"--{f.name.replace('_', '-')}" if field_type(f) == "bool" else f"--{f.name.replace('_', '-')}=1"
+                               for f, k in knobs().items() if k.cli])  # fmt: skip
+    assert {n for n in vars(every) if not n.startswith("_default_")} == {f.name for f, k in knobs().items() if k.cli}
+
+
+def test_run_flags_then_engine_defaults_then_command_defaults():
+    parser = argparse.ArgumentParser()
+    _add_sampling_arguments(parser, max_tokens=7, temperature=0.0)
+    args = parser.parse_args(["--temperature", "0.5", "--stop", "a", "--stop", "b", "--ignore-eos"])
+    params = _sampling_from(args, {"temperature": 0.9, "top_p": 0.8, "repetition_penalty": 1.1})
+    assert params.temperature == 0.5 and params.stop == ["a", "b"] and params.ignore_eos  # given
+    assert params.top_p == 0.8 and params.repetition_penalty == 1.1  # the engine's
+    assert params.max_tokens == 7 and params.top_k == 0  # the command's, the schema's
+    assert _sampling_from(parser.parse_args([]), {"do_sample": False, "temperature": 0.7}).temperature == 0.0
+    assert _sampling_from(parser.parse_args([]), {"max_new_tokens": 99}).max_tokens == 99
 
 
 def test_openai_body_translates_every_field():
     body = CompletionRequest(model="m", prompt="hi", temperature=0.3, top_k=5, stop="x", seed=9, bad_words=["no"], min_tokens=2,
                              stop_token_ids=[7], skip_special_tokens=False, priority=3)  # fmt: skip
-    params = body.sampling(12, 1, index=2)
-    assert params == SamplingParams(max_tokens=12, temperature=0.3, top_k=5, stop=["x"], seed=11, bad_words=["no"], min_tokens=2,
+    params = body.sampling(12, 1, index=2, defaults={"top_p": 0.5, "temperature": 0.9})  # temperature given
+    assert params == SamplingParams(max_tokens=12, temperature=0.3, top_p=0.5, top_k=5, stop=["x"], seed=11, bad_words=["no"], min_tokens=2,
                                     stop_token_ids=[7], skip_special_tokens=False, priority=3, logprobs=1)  # fmt: skip
 
 

@@ -22,48 +22,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_bf16_engine):
-    """A real `precast serve` process on a loopback port, stopped at the end."""
+def start_server(engine, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A real `precast serve` process on a loopback port, once /health answers: (process, base URL)."""
     port = free_port()
     exe = shutil.which("precast")
     cmd = [exe] if exe else [sys.executable, "-m", "precast"]
     proc = subprocess.Popen(
-        [
-            *cmd,
-            "serve",
-            str(smollm2_bf16_engine),
-            "--port",
-            str(port),
-            "--served-model-name",
-            MODEL,
-            "--kv-cache-memory",
-            "512MiB",
-            "--api-key",
-            "sk-test",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+        [*cmd, "serve", str(engine), "--port", str(port), "--served-model-name", MODEL, "--kv-cache-memory", "512MiB",
+         "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             time.sleep(0.2)
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stdout.read()}")
-    yield base
+    proc.kill()
+    raise RuntimeError("server did not answer /health within 60 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_bf16_engine):
+    proc, base = start_server(smollm2_bf16_engine, "--api-key", "sk-test")
+    yield base
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
