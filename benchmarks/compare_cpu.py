@@ -40,6 +40,16 @@ BATCH, BATCH_IN, BATCH_OUT = 32, 128, 128
 CHAT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
 
+def cpu_name() -> str:
+    """The CPU's model name, for every benchmark table (the machine varies between sessions)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 @dataclass
 class Result:
     engine: str

@@ -40,6 +40,7 @@ def engine_summary(engine: Engine) -> dict[str, object]:
         if cfg.tokenizer is None
         else {k: v for k, v in cfg.tokenizer.items() if k != "chat_template"}
         | {"chat_template": cfg.tokenizer.get("chat_template") is not None},
+        "generation": cfg.generation,
         "provenance": cfg.provenance,
     }
 
@@ -100,6 +101,10 @@ def format_summary(s: dict[str, object]) -> str:
             f"tokenizer      {', '.join(tok['files'])}; bos {tok['bos_token_id']}, eos {tok['eos_token_ids']}, "
             f"chat template {'yes' if tok['chat_template'] else 'no'}"
         )
+    gen = s["generation"]
+    assert isinstance(gen, dict)
+    shown = ", ".join(f"{k} {v}" for k, v in gen.items()) or "none"
+    lines.append(f"sampling       defaults for unset fields: {shown}")
     prov = s["provenance"]
     assert isinstance(prov, dict)
     lines.append(f"source         {prov['source']} ({prov['source_format']}, sha256 {prov['source_sha256'][:16]}...)")

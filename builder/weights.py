@@ -10,6 +10,8 @@ from precast.engine.spec import ModelSpec
 from precast.engine.tensors import Shape, engine_layout, full_shape, tensor_names
 from precast.errors import PrecastError
 
+MAX_PROBLEMS_SHOWN = 6
+
 
 @dataclass(frozen=True)
 class PlannedTensor:
@@ -48,5 +50,20 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, al
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         problems.append(f"{len(unused)} checkpoint tensor(s) that a {spec.architecture} model with this config does not use: {shown}")
     if problems:
-        raise PrecastError(f"checkpoint {checkpoint.path} does not match its config:\n  " + "\n  ".join(problems))
+        raise PrecastError(_mismatch_message(checkpoint.path, spec, problems))
     return plan
+
+
+def _mismatch_message(path: object, spec: ModelSpec, problems: list[str]) -> str:
+    """A few lines however many tensors disagree: a wrong config.json makes every layer's tensors wrong."""
+    shown = problems[:MAX_PROBLEMS_SHOWN] + (
+        [f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more"] if len(problems) > MAX_PROBLEMS_SHOWN else []
+    )
+    text = f"checkpoint {path} does not match its config ({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
+    if sum("has shape" in p for p in problems) > 1:
+        text += (
+            f"\nThe weights have other sizes than config.json says (hidden_size {spec.hidden_size}, intermediate_size "
+            f"{spec.intermediate_size}, {spec.num_heads} heads, {spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, "
+            f"vocab_size {spec.vocab_size}): use the config.json that came with these weights."
+        )
+    return text

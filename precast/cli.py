@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from precast.errors import PrecastError
+from precast.errors import PrecastError, describe_os_error
 from precast.runtime.server.defaults import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -44,6 +44,13 @@ def _build(args: argparse.Namespace) -> None:
         )
     )
     spec, limits = result.config.model, result.config.limits
+    if result.config.tokenizer is None:
+        print(
+            "precast build: warning: the checkpoint has no tokenizer (no tokenizer.json), so the engine takes token ids "
+            "only: text prompts, --chat and the server's text requests are refused. Put the model's tokenizer.json "
+            "(and tokenizer_config.json) in the checkpoint directory and rebuild to include it.",
+            file=sys.stderr,
+        )
     q = result.config.quant
     if q.recipe != "none" or limits.kv_cache_dtype != "auto":
         calib = q.calibration
@@ -326,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except PrecastError as e:
         print(f"precast {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, read-only filesystem, permissions: one line, no traceback
+        print(f"precast {args.command}: error: {describe_os_error(e)}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as e:
+        print(f"precast {args.command}: error: a file is not UTF-8 text ({e}); it may be corrupt", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"precast {args.command}: interrupted; nothing was left half-written", file=sys.stderr)

@@ -22,6 +22,8 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise PrecastError(f"{path} is not valid JSON ({e}); the checkpoint may be corrupt") from e
+    except UnicodeDecodeError as e:
+        raise PrecastError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); the checkpoint may be corrupt") from e
 
 
 def _prequantized(path: Path, quant: Any) -> dict[str, Any]:

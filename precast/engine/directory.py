@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -144,7 +145,12 @@ def load_engine(path: str | os.PathLike) -> Engine:
     config = EngineConfig.from_dict(data, str(config_path))
     if not (p / WEIGHTS_FILE).is_file():
         raise PrecastError(f"{p} has no {WEIGHTS_FILE}; the engine is incomplete, rebuild it")
-    weights = SafetensorsFile(p / WEIGHTS_FILE)
+    try:
+        weights = SafetensorsFile(p / WEIGHTS_FILE)
+    except PrecastError as e:
+        raise PrecastError(
+            f"{e}; the engine is damaged (a truncated copy?): rebuild it with `precast build ... --output {p} --force`"
+        ) from e
     expected = config.expected_tensors()
     problems = [f"missing {n}" for n in expected if n not in weights.tensors]
     problems += [f"unexpected {n}" for n in weights.tensors if n not in expected]
@@ -159,17 +165,80 @@ def load_engine(path: str | os.PathLike) -> Engine:
     return Engine(p, config, weights)
 
 
+# Every temporary directory a build makes beside its output is named `.NAME.KIND-*` and holds this
+# marker ("host pid"), so the next build of the same output can tell a killed build's leftovers
+# (a dead pid on this host) from another build in progress, and from anything precast did not make.
+SCRATCH_MARKER = ".precast-scratch"
+SCRATCH_KINDS = ("building", "full", "old")
+
+
+def make_scratch(output: Path, kind: str) -> Path:
+    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.{kind}-", dir=output.parent))
+    (scratch / SCRATCH_MARKER).write_text(f"{socket.gethostname()} {os.getpid()}\n", encoding="utf-8")
+    return scratch
+
+
+@contextmanager
+def scratch_directory(output: Path, kind: str) -> Iterator[Path]:
+    """A marked temporary directory beside `output`, removed when the block ends."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    scratch = make_scratch(output, kind)
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def remove_stale_scratch(output: Path) -> list[str]:
+    """Remove what killed builds of `output` left beside it; returns what was done, one line each.
+
+    Only directories named `.NAME.KIND-*` whose marker names a process on this host that no longer
+    runs. An old engine moved aside by a `--force` build that died before its replacement landed
+    is put back at `output` first."""
+    done: list[str] = []
+    if not output.parent.is_dir():
+        return done
+    for kind in SCRATCH_KINDS:
+        for scratch in sorted(output.parent.glob(f".{output.name}.{kind}-*")):
+            if not scratch.is_dir() or not _owner_is_gone(scratch / SCRATCH_MARKER):
+                continue
+            if kind == "old" and (scratch / "engine").is_dir() and not output.exists():
+                os.rename(scratch / "engine", output)
+                done.append(f"restored {output} from {scratch.name} (a killed --force build had moved it aside)")
+            shutil.rmtree(scratch, ignore_errors=True)
+            done.append(f"removed {scratch} (left by a killed build)")
+    return done
+
+
+def _owner_is_gone(marker: Path) -> bool:
+    try:
+        host, pid = marker.read_text(encoding="utf-8").split()
+        pid_number = int(pid)
+    except (OSError, ValueError):
+        return False  # no readable marker: not ours to remove
+    if host != socket.gethostname():
+        return False  # another machine's build (a shared filesystem): cannot tell
+    try:
+        os.kill(pid_number, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False  # alive: a build still running
+
+
 @contextmanager
 def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary directory beside `output`; on success it replaces `output`, on failure it is removed.
 
     With force, an existing `output` is moved aside first and deleted only after the new
-    directory is in place, so at every moment one complete engine (old or new) exists.
+    directory is in place, so at every moment one complete engine (old or new) exists. Both
+    temporary directories carry SCRATCH_MARKER while they are temporary (remove_stale_scratch).
     """
     if output.exists() and not force:
         raise PrecastError(f"{output} already exists; choose another --output or pass --force to replace it")
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-", dir=output.parent))
+    tmp = make_scratch(output, "building")
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; an engine is an ordinary directory
@@ -177,9 +246,10 @@ def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
         yield tmp
         old = None
         if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            old = make_scratch(output, "old")
             os.rename(output, old / "engine")
         os.rename(tmp, output)
+        (output / SCRATCH_MARKER).unlink()  # harmless if a kill leaves it: only `.NAME.KIND-*` are scanned
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

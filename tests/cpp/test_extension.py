@@ -27,3 +27,18 @@ def test_cpu_features_are_consistent():
             assert f["avx2"]
         if " avx512f" in flags:
             assert f["avx512f"]
+
+
+def test_thread_pool_finishes_every_job_when_threads_are_oversubscribed():
+    """Thousands of tiny parallel loops, with more pool threads than cores and a busy competitor
+    process: a lost wake-up or a miscounted job would hang, so it runs in a child with a deadline."""
+    import subprocess
+    import sys
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        script = "from precast import _C; print(_C.memory_bandwidth('read', 4096, num_threads=3, repeats=5000) > 0)"
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    finally:
+        hog.kill()
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr

@@ -131,6 +131,30 @@ def test_runner_failure_ends_requests_with_an_error_and_the_loop_survives():
         ex.shutdown()
 
 
+def test_non_finite_logits_end_that_request_with_an_error():
+    """A NaN or Inf row would be sampled as token 0 with NaN log-probs; it ends its request instead."""
+
+    class Poisoned(CountingRunner):
+        def forward(self, batch):
+            rows = super().forward(batch)
+            for row, s in zip(rows, [s for s in batch.sequences if s.sample]):
+                if batch.token_ids[s.token_offset] == 7:  # requests whose prompt starts with 7
+                    row[3] = np.nan if s.context_len == 0 else np.inf
+            return rows
+
+    ex = _C.Executor(config(), Poisoned())
+    try:
+        bad, good = ex.enqueue(request([7, 1], 3)), ex.enqueue(request([1, 2], 3))
+        finals = {}
+        while len(finals) < 2:
+            finals |= {r.request_id: r for r in ex.await_responses(1.0) if r.finished}
+        assert finals[bad].finish_reason == _C.FinishReason.ERROR and "non-finite logits" in finals[bad].error
+        assert finals[good].finish_reason == _C.FinishReason.LENGTH  # the batch's other request is unharmed
+        ex.check_integrity()
+    finally:
+        ex.shutdown()
+
+
 def test_evaluate_leaves_the_serving_kv_pool_alone(smollm2_bf16_engine):
     """evaluate runs in its own pool: a sequence longer than the whole serving pool neither reallocates nor
     overwrites it, so a prefix cached before it is still reused correctly after it."""

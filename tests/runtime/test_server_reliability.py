@@ -19,17 +19,11 @@ import httpx
 import pytest
 
 from precast.runtime.server.serve import resolve_api_key
+from tests.runtime import test_server
 from tests.runtime.test_server import MODEL, metric, start_server, stop_server, wait_for
 
 KEY = {"Authorization": "Bearer sk-test"}
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_bf16_engine):
-    """A server with the default limits."""
-    proc, base = start_server(smollm2_bf16_engine, "--api-key", "sk-test")
-    yield base
-    stop_server(proc)
+server = test_server.server  # the fixture: a real server with the default limits and key sk-test
 
 
 @pytest.fixture(scope="module")
