@@ -11,7 +11,7 @@ then writes the quantized engine from it (quantization/quantize.py).
 from __future__ import annotations
 
 import math
-import tempfile
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -35,6 +35,8 @@ from precast.engine.directory import (
     fsync_tree,
     load_engine,
     numpy_dtype,
+    remove_stale_scratch,
+    scratch_directory,
     write_json,
 )
 from precast.engine.limits import resolve_limits
@@ -90,6 +92,8 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     if opts.output.exists() and not opts.force:  # checked early: fail before minutes of work
         raise PrecastError(f"{opts.output} already exists; choose another --output or pass --force to replace it")
     opts.quant.check()
+    for line in remove_stale_scratch(opts.output):
+        print(f"precast build: {line}", file=sys.stderr)
     if "tensorrt" in opts.targets:  # fail before minutes of work when no TensorRT builder is installed
         import_tensorrt()
         if opts.quant.kv_cache_dtype == "fp8":
@@ -206,12 +210,12 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
             tokenizer_json = raw.decode("utf-8") if raw else None
             sequences, source = calibration_sequences(tokenizer_json, q.calib_text, q.calib_samples, q.calib_seq_len)
     opts.output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{opts.output.name}.full-", dir=opts.output.parent) as work:
+    with scratch_directory(opts.output, "full") as work:
         full = build_engine(replace(opts, output=Path(work) / "engine", force=False, quant=QuantOptions(), targets=("cpu",)))
         engine = load_engine(full.path)
         calib = None
         if sequences is not None:
-            calib = calibrate(engine, sequences, max_sample_rows=AWQ_SAMPLE_ROWS if needs_awq else 0)
+            calib = calibrate(engine, sequences, max_sample_rows=AWQ_SAMPLE_ROWS if needs_awq else 0, scratch=Path(work))
             calib.report["source"] = source
         section = quantize.quant_section(q, plan)
         if q.kv_cache_dtype == "fp8":

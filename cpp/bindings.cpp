@@ -232,7 +232,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("kv_fp8", &CpuModelConfig::kv_fp8)
       .def_readwrite("k_scales", &CpuModelConfig::k_scales)
       .def_readwrite("v_scales", &CpuModelConfig::v_scales)
-      .def_readwrite("num_threads", &CpuModelConfig::num_threads);
+      .def_readwrite("num_threads", &CpuModelConfig::num_threads)
+      .def_readwrite("layers_only", &CpuModelConfig::layers_only)
+      .def_readwrite("first_layer", &CpuModelConfig::first_layer);
 
   py::class_<CpuRunner, ModelRunner, py::smart_holder>(m, "CpuRunner")
       .def(py::init<CpuModelConfig>())
@@ -280,27 +282,49 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tokens"), py::arg("logits") = true,
           "Run one token sequence from position 0 (not while an executor uses this runner); logits [tokens, vocab].")
+      .def(
+          "evaluate_hidden",
+          [](CpuRunner& r, py::array_t<float, py::array::c_style | py::array::forcecast> hidden) {
+            const int H = r.config().hidden_size;
+            if (hidden.ndim() != 2 || hidden.shape(1) != H)
+              throw std::invalid_argument("hidden must be [num_tokens, " + std::to_string(H) + "] float32");
+            const int T = int(hidden.shape(0));
+            std::vector<float> out;
+            {
+              py::gil_scoped_release release;
+              out = r.evaluate_hidden(hidden.data(), T);
+            }
+            return to_numpy(out).reshape({py::ssize_t(T), py::ssize_t(H)});
+          },
+          py::arg("hidden"),
+          "A layers_only runner: the residual stream [tokens, hidden] entering its first layer -> leaving its last.")
       .def("set_observer", &CpuRunner::set_observer, py::arg("observer").none(true), py::keep_alive<1, 2>(),
            "Attach an ActivationObserver (e.g. a CalibrationRecorder) to every later pass, or None to detach.");
 
   py::class_<ActivationObserver>(m, "ActivationObserver");
   py::class_<CalibrationRecorder, ActivationObserver>(m, "CalibrationRecorder")
       .def(py::init<int, int64_t>(), py::arg("max_sample_rows") = 0, py::arg("sample_every") = 1)
-      .def("stats", [](const CalibrationRecorder& recorder) {
-        py::dict out;
-        for (const auto& [name, s] : recorder.stats()) {
-          py::dict d;
-          d["rows"] = s.rows;
-          d["amax"] = to_numpy(s.amax);
-          std::vector<float> mean(s.abs_sum.size());
-          for (size_t i = 0; i < mean.size(); ++i) mean[i] = s.rows ? float(s.abs_sum[i] / double(s.rows)) : 0.0f;
-          d["mean_abs"] = to_numpy(mean);
-          d["samples"] =
-              to_numpy(s.samples).reshape({py::ssize_t(s.samples.size() / std::max(1, s.cols)), py::ssize_t(s.cols)});
-          out[py::str(name)] = d;
-        }
-        return out;
-      });
+      .def(
+          "take_stats",
+          [](CalibrationRecorder& recorder) {
+            std::map<std::string, ChannelStats> taken = recorder.take();
+            py::dict out;
+            while (!taken.empty()) {  // each entry freed once copied: no second copy of every sample
+              auto node = taken.extract(taken.begin());
+              const ChannelStats& s = node.mapped();
+              py::dict d;
+              d["rows"] = s.rows;
+              d["amax"] = to_numpy(s.amax);
+              std::vector<float> mean(s.abs_sum.size());
+              for (size_t i = 0; i < mean.size(); ++i) mean[i] = s.rows ? float(s.abs_sum[i] / double(s.rows)) : 0.0f;
+              d["mean_abs"] = to_numpy(mean);
+              d["samples"] = to_numpy(s.samples).reshape(
+                  {py::ssize_t(s.samples.size() / std::max(1, s.cols)), py::ssize_t(s.cols)});
+              out[py::str(node.key())] = d;
+            }
+            return out;
+          },
+          "Every observed tensor's rows, amax, mean_abs and samples so far, by name; the recorder starts afresh.");
 
   m.def("memory_bandwidth", &memory_bandwidth, py::arg("kind"), py::arg("bytes_per_array") = int64_t(256) << 20,
         py::arg("num_threads") = 1, py::arg("repeats") = 5, py::call_guard<py::gil_scoped_release>(),

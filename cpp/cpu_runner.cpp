@@ -18,6 +18,8 @@ CpuRunner::CpuRunner(CpuModelConfig config) : config_(std::move(config)), pool_(
   const CpuModelConfig& c = config_;
   if (c.num_layers < 1 || c.hidden_size < 1 || c.num_heads < 1 || c.num_kv_heads < 1 || c.num_heads % c.num_kv_heads)
     throw std::invalid_argument("inconsistent model config for the CPU runner");
+  if (c.first_layer < 0 || (c.first_layer > 0 && !c.layers_only))
+    throw std::invalid_argument("first_layer is for layers_only runners and cannot be negative");
   if (int(c.inv_freq.size()) != c.head_dim / 2) throw std::invalid_argument("inv_freq must have head_dim / 2 entries");
   if (c.kv_fp8 && (int(c.k_scales.size()) != c.num_layers || int(c.v_scales.size()) != c.num_layers))
     throw std::invalid_argument("an fp8 KV cache needs one K and one V scale per layer");
@@ -43,6 +45,24 @@ std::pair<int, int> CpuRunner::expected_shape(const std::string& name) const {
   throw std::invalid_argument("unknown weight " + name);
 }
 
+namespace {
+// No NaN or Inf among `count` values: float32 by arithmetic (both propagate through x * 0), 16-bit
+// formats by their exponent bits (all ones: Inf or NaN). One pass each, which the compiler vectorizes.
+bool all_finite(const void* data, WeightDtype dtype, size_t count) {
+  if (dtype == WeightDtype::kF32) {
+    const float* x = static_cast<const float*>(data);
+    float sum = 0.0f;
+    for (size_t i = 0; i < count; ++i) sum += x[i] * 0.0f;
+    return sum == 0.0f;
+  }
+  const uint16_t exponent = dtype == WeightDtype::kBF16 ? 0x7F80 : 0x7C00;
+  const uint16_t* x = static_cast<const uint16_t*>(data);
+  uint16_t bad = 0;
+  for (size_t i = 0; i < count; ++i) bad |= uint16_t((x[i] & exponent) == exponent);
+  return !bad;
+}
+}  // namespace
+
 void CpuRunner::set_weight(const std::string& name, const void* data, size_t nbytes) {
   PRECAST_CHECK(!finalized_, "weights are frozen after finalize()");
   const auto [rows, cols] = expected_shape(name);
@@ -50,6 +70,10 @@ void CpuRunner::set_weight(const std::string& name, const void* data, size_t nby
   const size_t want = size_t(rows < 0 ? 1 : rows) * size_t(cols) * elem;
   if (nbytes != want)
     throw std::invalid_argument(name + ": got " + std::to_string(nbytes) + " bytes, expected " + std::to_string(want));
+  // An engine damaged since its build (NaN or Inf in a weight) is refused here rather than
+  // generating token 0 with NaN log-probs.
+  if (!all_finite(data, rows < 0 ? WeightDtype::kF32 : config_.dtype, want / elem))
+    throw std::invalid_argument(name + " holds NaN or Inf; the engine is damaged, rebuild it");
   if (rows < 0) {
     const float* f = static_cast<const float*>(data);
     vectors_[name].assign(f, f + cols);
@@ -96,11 +120,16 @@ const float* CpuRunner::vector(const std::string& name) const {
 
 void CpuRunner::finalize() {
   const CpuModelConfig& c = config_;
-  embed_ = matrix("embed.weight");
-  lm_head_ = c.tie_word_embeddings ? embed_ : matrix("lm_head.weight");
-  final_norm_ = vector("final_norm.weight");
+  if (c.layers_only) {
+    final_norm_ = vectors_.count("final_norm.weight") ? vector("final_norm.weight") : nullptr;
+  } else {
+    embed_ = matrix("embed.weight");
+    lm_head_ = c.tie_word_embeddings ? embed_ : matrix("lm_head.weight");
+    final_norm_ = vector("final_norm.weight");
+  }
   layers_.clear();
-  for (int i = 0; i < c.num_layers; ++i) {
+  for (int li = 0; li < c.num_layers; ++li) {
+    const int i = c.first_layer + li;  // the layer's index in the whole model: its names, its window
     const std::string p = "layers." + std::to_string(i) + ".";
     Layer l;
     l.qkv_name = p + "attn.qkv";
@@ -169,36 +198,89 @@ void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, 
   linear(pool_, x, num_rows, l.weight, bias, y);
 }
 
-std::vector<float> CpuRunner::evaluate(const std::vector<int>& tokens, bool logits) {
-  PRECAST_CHECK(finalized_, "call finalize() after loading weights");
-  const int T = int(tokens.size());
-  if (T == 0) return {};
+Batch CpuRunner::evaluation_batch(int num_tokens, bool sample) {
   const int B = 32;
-  const int blocks = (T + B - 1) / B;
+  const int blocks = (num_tokens + B - 1) / B;
   if (eval_kv_.num_blocks < blocks) allocate(eval_kv_, blocks, B);
   Batch batch;
-  batch.token_ids = tokens;
-  for (int t = 0; t < T; ++t) batch.positions.push_back(t);
+  batch.token_ids.assign(num_tokens, 0);
+  for (int t = 0; t < num_tokens; ++t) batch.positions.push_back(t);
   BatchSequence seq;
-  seq.num_tokens = T;
-  seq.sample = logits;
+  seq.num_tokens = num_tokens;
+  seq.sample = sample;
   for (int b = 0; b < blocks; ++b) seq.block_table.push_back(b);
   batch.sequences.push_back(seq);
+  return batch;
+}
+
+std::vector<float> CpuRunner::evaluate(const std::vector<int>& tokens, bool logits) {
+  PRECAST_CHECK(finalized_, "call finalize() after loading weights");
+  PRECAST_CHECK(!config_.layers_only, "a layers_only runner has no embedding: use evaluate_hidden");
+  if (tokens.empty()) return {};
+  Batch batch = evaluation_batch(int(tokens.size()), logits);
+  batch.token_ids = tokens;
   return run(batch, logits, eval_kv_);
+}
+
+std::vector<float> CpuRunner::evaluate_hidden(const float* hidden, int num_tokens) {
+  PRECAST_CHECK(finalized_, "call finalize() after loading weights");
+  PRECAST_CHECK(config_.layers_only, "evaluate_hidden needs a layers_only runner");
+  if (num_tokens <= 0) return {};
+  const int H = config_.hidden_size;
+  const Batch batch = evaluation_batch(num_tokens, false);
+  x_.assign(hidden, hidden + size_t(num_tokens) * H);
+  run_layers(batch, eval_kv_);
+  if (observer_ && final_norm_) {
+    std::vector<float> normed(x_.size());
+    rms_norm(x_.data(), final_norm_, num_tokens, H, config_.norm_eps, normed.data());
+    observer_->observe(config_.tie_word_embeddings ? "embed" : "lm_head", normed.data(), num_tokens, H, H);
+  }
+  return x_;
 }
 
 std::vector<float> CpuRunner::forward(const Batch& batch) {
   PRECAST_CHECK(serving_kv_.num_blocks > 0, "configure_kv() was not called");
+  PRECAST_CHECK(!config_.layers_only, "a layers_only runner cannot serve");
   return run(batch, false, serving_kv_);
 }
 
 std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvPool& kv) {
   PRECAST_CHECK(finalized_, "call finalize() after loading weights");
   const CpuModelConfig& c = config_;
+  const int T = int(batch.token_ids.size()), H = c.hidden_size;
+  x_.resize(size_t(T) * H);
+  for (int t = 0; t < T; ++t) {
+    PRECAST_CHECK(batch.token_ids[t] >= 0 && batch.token_ids[t] < c.vocab_size, "token id out of range");
+    matrix_row(embed_->weight, batch.token_ids[t], x_.data() + size_t(t) * H);
+  }
+  run_layers(batch, kv);
+
+  // Final norm and LM head only for the last token of each sampling sequence (every
+  // token of them with all_logits; every token's norm when observed).
+  std::vector<float> rows;
+  for (const BatchSequence& s : batch.sequences) {
+    if (!s.sample && !observer_) continue;
+    const int first = all_logits || observer_ ? s.token_offset : s.token_offset + s.num_tokens - 1;
+    rows.insert(rows.end(), x_.data() + size_t(first) * H, x_.data() + size_t(s.token_offset + s.num_tokens) * H);
+  }
+  const int S = int(rows.size()) / H;
+  std::vector<float> normed(rows.size());
+  rms_norm(rows.data(), final_norm_, S, H, c.norm_eps, normed.data());
+  if (observer_) {
+    observer_->observe(c.tie_word_embeddings ? "embed" : "lm_head", normed.data(), S, H, H);
+    if (!all_logits) return {};  // observed runs without logits (calibration) stop here
+  }
+  std::vector<float> logits(size_t(S) * c.vocab_size);
+  static const std::string kObservedAbove;
+  apply(*lm_head_, kObservedAbove, normed.data(), S, nullptr, logits.data());
+  return logits;
+}
+
+void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
+  const CpuModelConfig& c = config_;
   const int T = int(batch.token_ids.size()), H = c.hidden_size, D = c.head_dim;
   const int q_size = c.num_heads * D, kv_size = c.num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
   const int inter = c.intermediate_size;
-  x_.resize(size_t(T) * H);
   h_.resize(size_t(T) * H);
   qkv_.resize(size_t(T) * qkv_size);
   attn_.resize(size_t(T) * q_size);
@@ -211,10 +293,6 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvP
   for (const BatchSequence& s : batch.sequences) {
     seqs.push_back({s.block_table.data(), s.context_len, s.num_tokens, s.token_offset});
     for (int t = 0; t < s.num_tokens; ++t) token_table[s.token_offset + t] = s.block_table.data();
-  }
-  for (int t = 0; t < T; ++t) {
-    PRECAST_CHECK(batch.token_ids[t] >= 0 && batch.token_ids[t] < c.vocab_size, "token id out of range");
-    matrix_row(embed_->weight, batch.token_ids[t], x_.data() + size_t(t) * H);
   }
   const float scale = 1.0f / std::sqrt(float(D));
   auto rows_parallel = [&](int n, auto&& fn) {
@@ -272,26 +350,6 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvP
     mlp_pending = true;
   }
   if (mlp_pending) add_then_norm(true, nullptr);
-
-  // Final norm and LM head only for the last token of each sampling sequence (every
-  // token of them with all_logits; every token's norm when observed).
-  std::vector<float> rows;
-  for (const BatchSequence& s : batch.sequences) {
-    if (!s.sample && !observer_) continue;
-    const int first = all_logits || observer_ ? s.token_offset : s.token_offset + s.num_tokens - 1;
-    rows.insert(rows.end(), x_.data() + size_t(first) * H, x_.data() + size_t(s.token_offset + s.num_tokens) * H);
-  }
-  const int S = int(rows.size()) / H;
-  std::vector<float> normed(rows.size());
-  rms_norm(rows.data(), final_norm_, S, H, c.norm_eps, normed.data());
-  if (observer_) {
-    observer_->observe(c.tie_word_embeddings ? "embed" : "lm_head", normed.data(), S, H, H);
-    if (!all_logits) return {};  // observed runs without logits (calibration) stop here
-  }
-  std::vector<float> logits(size_t(S) * c.vocab_size);
-  static const std::string kObservedAbove;
-  apply(*lm_head_, kObservedAbove, normed.data(), S, nullptr, logits.data());
-  return logits;
 }
 
 }  // namespace precast

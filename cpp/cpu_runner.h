@@ -9,7 +9,9 @@
 //
 // Outside the executor, `evaluate` runs one token sequence in a KV pool of its own (the
 // serving pool is never touched) for quality measurements (logits at every position) and,
-// with an ActivationObserver attached, for the builder's calibration.
+// with an ActivationObserver attached; a layers_only runner (a slice of the decoder) runs
+// hidden states through its layers with `evaluate_hidden`, the builder's layer-at-a-time
+// calibration.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +49,12 @@ struct CpuModelConfig {
   bool kv_fp8 = false;                    // E4M3 KV cache with these per-layer scales
   std::vector<float> k_scales, v_scales;
   int num_threads = 1;
+  // A slice of the decoder, for calibration that streams the model a layer at a time: the runner
+  // holds layers first_layer .. first_layer + num_layers - 1 under their engine names, no
+  // embedding or LM head (final_norm.weight optional, given to the last slice), and runs
+  // hidden states through them with evaluate_hidden.
+  bool layers_only = false;
+  int first_layer = 0;
 };
 
 // How a quantized linear layer quantizes its input.
@@ -74,6 +82,11 @@ class CpuRunner : public ModelRunner {
   // not concurrently with forward). Returns logits for every position [tokens, vocab] when
   // `logits` is set, else nothing.
   std::vector<float> evaluate(const std::vector<int>& tokens, bool logits);
+  // A layers_only runner: run `hidden` [num_tokens, hidden_size] (one sequence from position 0,
+  // the residual stream entering first_layer) through its layers in the evaluation KV pool;
+  // returns the residual stream leaving them. An attached observer sees what evaluate's would
+  // in these layers, and the final norm's output when the slice holds final_norm.weight.
+  std::vector<float> evaluate_hidden(const float* hidden, int num_tokens);
   // Attach (or, with nullptr, detach) an observer of every later pass's activations; the
   // caller keeps it alive while attached.
   void set_observer(ActivationObserver* observer) { observer_ = observer; }
@@ -109,6 +122,11 @@ class CpuRunner : public ModelRunner {
   };
   void allocate(KvPool& pool, int num_blocks, int tokens_per_block) const;
   std::vector<float> run(const Batch& batch, bool all_logits, const KvPool& kv);
+  // The decoder layers over x_ (batch.token_ids.size() rows, already embedded); leaves in x_ the
+  // residual stream after the last layer.
+  void run_layers(const Batch& batch, const KvPool& kv);
+  // One sequence of `num_tokens` from position 0 in the evaluation KV pool (grown as needed).
+  Batch evaluation_batch(int num_tokens, bool sample);
   // y = linear(x) with the layer's input quantization; x is observed as `name` (unless empty) when observed.
   void apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias, float* y);
 

@@ -2,8 +2,9 @@
 
 The engine runs on precast's own CPU runner with a CalibrationRecorder attached as its activation observer:
 for every linear layer's input it keeps the per-channel max |x| and mean |x| and a bounded sample
-of rows (for AWQ's search), and for K and V the max |x| per layer. No torch; memory is the
-engine's weights plus the samples, one sequence in flight at a time.
+of rows (for AWQ's search), and for K and V the max |x| per layer. No torch; the model is run one
+decoder layer at a time over all sequences, so memory is one layer's weights, the hidden states
+and the samples, not the whole model.
 """
 
 from __future__ import annotations
@@ -88,28 +89,49 @@ def calibration_sequences(tokenizer_json: str | None, text_path: Path | None, sa
     return [ids[s : s + seq_len] for s in starts], f"{source} sha256:{digest[:16]}"
 
 
-def calibrate(engine: Engine, sequences: list[list[int]], max_sample_rows: int = 0, num_threads: int | None = None) -> CalibrationResult:
-    """Run every sequence through the engine with recording on; `max_sample_rows` rows per layer are kept."""
-    vocab = engine.config.model.vocab_size
+def calibrate(
+    engine: Engine,
+    sequences: list[list[int]],
+    max_sample_rows: int = 0,
+    num_threads: int | None = None,
+    scratch: Path | None = None,
+) -> CalibrationResult:
+    """Run every sequence through the engine with recording on; `max_sample_rows` rows per layer are kept.
+
+    One decoder layer at a time: every sequence's hidden states pass through layer i (a runner
+    holding only its weights) before layer i + 1 is loaded, so memory is one layer's weights plus
+    the hidden states, whatever the model's size. The statistics are those of a whole-model pass
+    (the same kernels on the same inputs). Hidden states larger than HIDDEN_IN_MEMORY_BYTES live in
+    a file under `scratch` when one is given, and so do AWQ's sample rows."""
+    spec = engine.config.model
     if not sequences or any(len(s) == 0 for s in sequences):
         raise PrecastError("calibration needs at least one non-empty token sequence")
     for s in sequences:
-        bad = [t for t in s if not 0 <= t < vocab]
+        bad = [t for t in s if not 0 <= t < spec.vocab_size]
         if bad:
-            raise PrecastError(f"calibration token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            raise PrecastError(f"calibration token id {bad[0]} is outside the vocabulary (0..{spec.vocab_size - 1})")
+    if engine.config.quant.layers:
+        raise PrecastError(f"calibration runs on a full-precision engine; {engine.path} is quantized")
     start = time.perf_counter()
-    runner = make_cpu_runner(engine, num_threads)
     total = sum(len(s) for s in sequences)
+    hidden = _hidden_states(total, spec.hidden_size, scratch)
+    embed = engine.weights.read("embed.weight")
+    offsets = np.cumsum([0] + [len(s) for s in sequences])
+    for seq, begin in zip(sequences, offsets):
+        hidden[begin : begin + len(seq)] = embed[np.asarray(seq)].astype(np.float32)  # exact widening, as the runner's
+    del embed
     recorder = _C.CalibrationRecorder(max_sample_rows, max(1, total // max(1, max_sample_rows)) if max_sample_rows else 1)
-    runner.set_observer(recorder)
-    for seq in sequences:
-        runner.evaluate(list(seq), False)
-    runner.set_observer(None)
-    stats = {
-        name: ChannelStats(np.asarray(d["amax"]), np.asarray(d["mean_abs"]), np.asarray(d["samples"]))
-        for name, d in recorder.stats().items()
-    }
-    del runner
+    stats: dict[str, ChannelStats] = {}
+    for layer in range(spec.num_layers):
+        runner = make_cpu_runner(engine, num_threads, layers=range(layer, layer + 1))
+        runner.set_observer(recorder)
+        for seq, begin in zip(sequences, offsets):
+            hidden[begin : begin + len(seq)] = runner.evaluate_hidden(hidden[begin : begin + len(seq)])
+        runner.set_observer(None)
+        del runner
+        for name, d in recorder.take_stats().items():  # this layer's names are complete now
+            stats[name] = ChannelStats(d["amax"], d["mean_abs"], _keep_samples(d["samples"], name, scratch))
+    del hidden
     report = {
         "samples": len(sequences),
         "tokens": total,
@@ -117,3 +139,23 @@ def calibrate(engine: Engine, sequences: list[list[int]], max_sample_rows: int =
         "peak_rss_mb": peak_rss_mb(),
     }
     return CalibrationResult(stats, report)
+
+
+HIDDEN_IN_MEMORY_BYTES = 256 << 20  # the default calibration (16 x 256 tokens) of a 1.5B model holds 25 MB
+
+
+def _hidden_states(num_tokens: int, hidden_size: int, scratch: Path | None) -> np.ndarray:
+    """float32 [num_tokens, hidden_size]: in memory, or in a file under `scratch` when large (file pages, not anonymous)."""
+    if scratch is None or num_tokens * hidden_size * 4 <= HIDDEN_IN_MEMORY_BYTES:
+        return np.empty((num_tokens, hidden_size), np.float32)
+    return np.lib.format.open_memmap(Path(scratch) / "calibration-hidden.npy", "w+", np.float32, (num_tokens, hidden_size))
+
+
+def _keep_samples(samples: np.ndarray, name: str, scratch: Path | None) -> np.ndarray:
+    """AWQ's sample rows of one layer input; with `scratch`, in a file read back mapped (they add up to about
+    512 rows x every layer's input width: 0.8 GB for a 1.5B model, more for larger ones)."""
+    if scratch is None or samples.size == 0:
+        return samples
+    path = Path(scratch) / f"calibration-samples-{name}.npy"
+    np.save(path, samples)
+    return np.load(path, mmap_mode="r")

@@ -10,6 +10,7 @@ from precast import _C
 from precast.engine.directory import Engine
 from precast.engine.rope import rope_parameters
 from precast.engine.tensors import linear_shapes
+from precast.errors import PrecastError
 
 _WEIGHT_DTYPES = {"float32": _C.WeightDtype.F32, "bfloat16": _C.WeightDtype.BF16, "float16": _C.WeightDtype.F16}
 
@@ -22,10 +23,17 @@ def default_num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def make_cpu_runner(engine: Engine, num_threads: int | None = None, quantize_activations: bool = True) -> _C.CpuRunner:
+def make_cpu_runner(
+    engine: Engine, num_threads: int | None = None, quantize_activations: bool = True, layers: range | None = None
+) -> _C.CpuRunner:
     """The engine on the CPU runner. quantize_activations=False runs fp8 / nvfp4 layers weight-only: a
-    diagnostic (benchmarks/quality.py --weights-only) that is not the recipe; serving never sets it."""
+    diagnostic (benchmarks/quality.py --weights-only) that is not the recipe; serving never sets it.
+
+    `layers` loads only those decoder layers (and the final norm with the last one) into a layers_only
+    runner, whose evaluate_hidden runs hidden states through them: calibration's layer-at-a-time pass."""
     spec = engine.config.model
+    if layers is not None and not (layers.step == 1 and 0 <= layers.start < layers.stop <= spec.num_layers):
+        raise ValueError(f"layers must be a non-empty range within 0..{spec.num_layers}, got {layers}")
     inv_freq, attention_factor = rope_parameters(spec)
     c = _C.CpuModelConfig()
     c.vocab_size = spec.vocab_size
@@ -47,19 +55,29 @@ def make_cpu_runner(engine: Engine, num_threads: int | None = None, quantize_act
     if engine.config.quant.kv_cache is not None:
         engine.config.quant.kv_cache.load_cpu(c)
     c.num_threads = num_threads or default_num_threads()
+    wanted = lambda name: True  # noqa: E731
+    if layers is not None:
+        c.layers_only, c.first_layer, c.num_layers = True, layers.start, len(layers)
+        if c.kv_fp8:
+            c.k_scales, c.v_scales = c.k_scales[layers.start : layers.stop], c.v_scales[layers.start : layers.stop]
+        prefixes = tuple(f"layers.{i}." for i in layers) + (("final_norm.",) if layers.stop == spec.num_layers else ())
+        wanted = lambda name: name.startswith(prefixes)  # noqa: E731
     runner = _C.CpuRunner(c)
-    layers = engine.config.quant.layers
+    quantized = engine.config.quant.layers
     shapes = linear_shapes(spec)
     for name in engine.weights.tensors:
-        if name.endswith(".weight_scale"):
-            continue  # read with its weight
+        if name.endswith(".weight_scale") or not wanted(name):
+            continue  # a scale is read with its weight
         layer = name[: -len(".weight")]
-        if layer in layers:  # the format loads its own stored tensors
-            layers[layer].load_cpu(runner, layer, engine.weights.read, *shapes[layer], quantize_activations)
+        if layer in quantized:  # the format loads its own stored tensors
+            quantized[layer].load_cpu(runner, layer, engine.weights.read, *shapes[layer], quantize_activations)
             continue
         array = engine.weights.read(name)
         # bfloat16/float16 travel as their raw 16-bit patterns; the kernels widen them.
         raw = array.view(np.uint16) if array.dtype.itemsize == 2 else array
-        runner.set_weight(name, np.ascontiguousarray(raw))
+        try:
+            runner.set_weight(name, np.ascontiguousarray(raw))
+        except ValueError as e:  # NaN / Inf or a size the config does not give
+            raise PrecastError(f"engine {engine.path}: {e}") from e
     runner.finalize()
     return runner
