@@ -133,7 +133,7 @@ def test_non_streaming_hang_up_cancels_the_request(server):
 
 
 def test_sigterm_drains_then_ends_every_open_stream_with_done_or_an_error(smollm2_bf16_engine):
-    proc, base = start_server(smollm2_bf16_engine, "--drain-timeout", "2")
+    proc, base = start_server(smollm2_bf16_engine, "--drain-timeout", "8")
     events: dict[str, list[str]] = {"short": [], "long": []}
     started = {name: threading.Event() for name in events}
 
@@ -146,7 +146,7 @@ def test_sigterm_drains_then_ends_every_open_stream_with_done_or_an_error(smollm
                     started[name].set()
 
     # "long" runs far past the drain timeout and is cut by it; "short" ends within it.
-    threads = [threading.Thread(target=stream, args=("short", 40)), threading.Thread(target=stream, args=("long", 1900))]
+    threads = [threading.Thread(target=stream, args=("short", 16)), threading.Thread(target=stream, args=("long", 1900))]
     for t in threads:
         t.start()
     for event in started.values():
