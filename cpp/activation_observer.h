@@ -36,7 +36,6 @@ class CalibrationRecorder : public ActivationObserver {
  public:
   CalibrationRecorder(int max_sample_rows, int64_t sample_every);
   void observe(const std::string& name, const float* x, int num_rows, int cols, int64_t stride) override;
-  const std::map<std::string, ChannelStats>& stats() const { return stats_; }
   // Hand over everything recorded so far and start afresh (calibration takes each layer's share as it goes).
   std::map<std::string, ChannelStats> take() { return std::exchange(stats_, {}); }
 

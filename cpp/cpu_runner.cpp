@@ -233,7 +233,7 @@ std::vector<float> CpuRunner::evaluate_hidden(const float* hidden, int num_token
   if (observer_ && final_norm_) {
     std::vector<float> normed(x_.size());
     rms_norm(x_.data(), final_norm_, num_tokens, H, config_.norm_eps, normed.data());
-    observer_->observe(config_.tie_word_embeddings ? "embed" : "lm_head", normed.data(), num_tokens, H, H);
+    observer_->observe(head_name(), normed.data(), num_tokens, H, H);
   }
   return x_;
 }
@@ -267,7 +267,7 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvP
   std::vector<float> normed(rows.size());
   rms_norm(rows.data(), final_norm_, S, H, c.norm_eps, normed.data());
   if (observer_) {
-    observer_->observe(c.tie_word_embeddings ? "embed" : "lm_head", normed.data(), S, H, H);
+    observer_->observe(head_name(), normed.data(), S, H, H);
     if (!all_logits) return {};  // observed runs without logits (calibration) stop here
   }
   std::vector<float> logits(size_t(S) * c.vocab_size);

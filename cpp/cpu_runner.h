@@ -127,6 +127,8 @@ class CpuRunner : public ModelRunner {
   void run_layers(const Batch& batch, const KvPool& kv);
   // One sequence of `num_tokens` from position 0 in the evaluation KV pool (grown as needed).
   Batch evaluation_batch(int num_tokens, bool sample);
+  // The name the LM head's input is observed under (the tied embedding's, when tied).
+  const char* head_name() const { return config_.tie_word_embeddings ? "embed" : "lm_head"; }
   // y = linear(x) with the layer's input quantization; x is observed as `name` (unless empty) when observed.
   void apply(const Linear& l, const std::string& name, const float* x, int num_rows, const float* bias, float* y);
 

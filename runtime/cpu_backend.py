@@ -55,18 +55,17 @@ def make_cpu_runner(
     if engine.config.quant.kv_cache is not None:
         engine.config.quant.kv_cache.load_cpu(c)
     c.num_threads = num_threads or default_num_threads()
-    wanted = lambda name: True  # noqa: E731
+    loaded: tuple[str, ...] = ("",)  # name prefixes of the tensors to load: all of them
     if layers is not None:
         c.layers_only, c.first_layer, c.num_layers = True, layers.start, len(layers)
         if c.kv_fp8:
             c.k_scales, c.v_scales = c.k_scales[layers.start : layers.stop], c.v_scales[layers.start : layers.stop]
-        prefixes = tuple(f"layers.{i}." for i in layers) + (("final_norm.",) if layers.stop == spec.num_layers else ())
-        wanted = lambda name: name.startswith(prefixes)  # noqa: E731
+        loaded = tuple(f"layers.{i}." for i in layers) + (("final_norm.",) if layers.stop == spec.num_layers else ())
     runner = _C.CpuRunner(c)
     quantized = engine.config.quant.layers
     shapes = linear_shapes(spec)
     for name in engine.weights.tensors:
-        if name.endswith(".weight_scale") or not wanted(name):
+        if name.endswith(".weight_scale") or not name.startswith(loaded):
             continue  # a scale is read with its weight
         layer = name[: -len(".weight")]
         if layer in quantized:  # the format loads its own stored tensors
