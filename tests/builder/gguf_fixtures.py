@@ -8,7 +8,7 @@ import numpy as np
 
 # f16 scale fields inside each block (byte offsets), per type; the rest of a block is
 # quantized payload, where any byte pattern is valid.
-_SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+_SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_quantized(qtype_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -285,11 +285,21 @@ def test_truncated_gguf(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_llama_gguf(path, {"attn_q.weight": "Q4_K"})
     data = path.read_bytes()
-    for cut in (len(data) - 4096, 200):
+    for cut in (len(data) - 4096, 200, 10, 0):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(PrecastError, match="not a readable GGUF file"):
             build(tmp_path / "cut.gguf", tmp_path / "engine")
         assert_nothing_left(tmp_path)
+
+
+def test_gguf_with_impossible_string_length(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_llama_gguf(path, {})
+    data = bytearray(path.read_bytes())
+    data[24:32] = (1 << 60).to_bytes(8, "little")  # the first metadata key's length
+    path.write_bytes(bytes(data))
+    with pytest.raises(PrecastError, match="not a readable GGUF file .*runs past the end"):
+        open_checkpoint(path)
 
 
 def test_corrupt_gguf_magic(tmp_path):

@@ -16,8 +16,8 @@ QUANT_MIX = {
     "token_embd.weight": "Q8_0",
     "output.weight": "Q6_K",
     "attn_q.weight": "Q4_K",
-    "attn_k.weight": "Q6_K",
-    "attn_v.weight": "Q4_0",
+    "attn_k.weight": "Q4_0",
+    "attn_v.weight": "Q5_0",
     "attn_output.weight": "Q4_1",
     "ffn_gate.weight": "F16",
     "ffn_up.weight": "BF16",
@@ -26,13 +26,13 @@ QUANT_MIX = {
 
 
 def test_every_required_quant_type_matches_transformers(tmp_path):
-    """Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, BF16, F32 dequantized, Q/K unpermuted with GQA."""
+    """Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, F16, BF16, F32 dequantized, Q/K unpermuted with GQA."""
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "tiny.gguf"
     write_tiny_llama_gguf(path, QUANT_MIX)
     ckpt = open_checkpoint(path)
-    assert {ckpt.tensor_dtype(n) for n in ckpt.tensor_names()} == {"Q8_0", "Q6_K", "Q4_K", "Q4_0", "Q4_1", "F16", "BF16", "F32"}
+    assert {ckpt.tensor_dtype(n) for n in ckpt.tensor_names()} == {"Q8_0", "Q6_K", "Q4_K", "Q4_0", "Q4_1", "Q5_0", "F16", "BF16", "F32"}
     model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     state = model.state_dict()
     assert set(ckpt.tensor_names()) == set(state)
@@ -40,6 +40,24 @@ def test_every_required_quant_type_matches_transformers(tmp_path):
         ours = ckpt.read(name)
         assert ours.shape == tuple(state[name].shape), name
         np.testing.assert_allclose(ours, state[name].numpy(), rtol=1e-6, atol=1e-7, err_msg=f"{name} ({ckpt.tensor_dtype(name)})")
+
+
+def test_layout_reader_matches_the_gguf_package(tmp_path):
+    """precast's fast header reader (gguf_layout.py) sees what gguf.GGUFReader sees: every key, value and tensor."""
+    import gguf
+
+    from precast.builder.checkpoint.gguf_layout import read_gguf_layout
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path, QUANT_MIX)
+    ours, theirs = read_gguf_layout(path), gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == expected and ours.version == 3
+    assert [(t.name, t.shape, t.tensor_type) for t in ours.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in theirs.tensors
+    ]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.data.tobytes() == np.asarray(b.data).tobytes(), a.name
 
 
 def test_tied_gguf_has_no_lm_head(tmp_path):
