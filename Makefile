@@ -40,7 +40,7 @@ demo: install
 	$(VENV)/bin/precast run $(ENGINE) --chat --stream --prompt "What is the capital of France?"
 	$(VENV)/bin/precast run $(ENGINE) --chat --stream --temperature 0.7 --seed 1 --max-tokens 80 --prompt "Write a haiku about the sea."
 	$(VENV)/bin/precast build --checkpoint "$$($(PY) -m precast.packaged smollm2-135m-instruct)" --output $(ENGINE)-fp8 --force --quant fp8 --dtype bfloat16
-	$(VENV)/bin/precast run $(ENGINE)-fp8 --chat --stream --prompt "What is the capital of France?"
+	$(VENV)/bin/precast run $(ENGINE)-fp8 --chat --stream --prompt "What is the capital of France? Answer in one sentence."
 
 # Before every commit: lint, formatting, and the tests that need neither the torch/transformers oracles
 # nor tritonserver (`pytest --fast`, tests/conftest.py), in under two minutes.

@@ -240,7 +240,7 @@ AWQ_SAMPLE_ROWS = 512  # calibration rows kept per layer for AWQ's search (bound
 
 def _read_fused(checkpoint: Checkpoint, tensor: PlannedTensor) -> np.ndarray:
     parts = [checkpoint.read(s) for s in tensor.sources]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return tensor.arrange(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
 
 
 _FLOAT_SOURCES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), numpy_dtype("bfloat16"))

@@ -58,5 +58,5 @@ def fuse_fp8(checkpoint: Checkpoint, tensor: PlannedTensor) -> tuple[np.ndarray,
     input_scales = [_scalar(checkpoint, names, f"{p}.input_scale", s) for p, s in zip(prefixes, tensor.sources)]
     parts = [checkpoint.read(s).astype(np.float32) * np.float32(ws) for s, ws in zip(tensor.sources, weight_scales)]
     scale = max(weight_scales)
-    q = quantize_fp8(np.concatenate(parts, axis=0), amax=scale * FP8_MAX)
+    q = quantize_fp8(tensor.arrange(np.concatenate(parts, axis=0)), amax=scale * FP8_MAX)
     return q.values, Fp8Layer(weight_scale=q.scale, input_scale=max(input_scales))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from precast.builder.architectures.common import IGNORED_ALWAYS, IGNORED_WHEN_TIED, Architecture
 from precast.builder.checkpoint.base import Checkpoint
+from precast.engine.rope import rotary_row_order
 from precast.engine.spec import ModelSpec
 from precast.engine.tensors import Shape, engine_layout, full_shape, tensor_names
 from precast.errors import PrecastError
@@ -18,6 +21,25 @@ class PlannedTensor:
     name: str  # canonical engine name
     sources: tuple[str, ...]  # checkpoint tensors, concatenated along dim 0 in this order
     shape: Shape
+    # Partial rotary only: row i of the engine tensor is row row_order[i] of the concatenated sources (rope.py).
+    row_order: np.ndarray | None = field(default=None, compare=False)
+
+    def arrange(self, array: np.ndarray) -> np.ndarray:
+        return array if self.row_order is None else array[self.row_order]
+
+
+def _rotary_rows(spec: ModelSpec, template: str) -> np.ndarray | None:
+    """Reorder each q and k head's rows so rotary pairs sit head_dim/2 apart; v and everything else as stored."""
+    if spec.rotary_dim == spec.head_dim:
+        return None
+    head = rotary_row_order(spec.head_dim, spec.rotary_dim)
+    if template in ("layers.{i}.attn.q_norm.weight", "layers.{i}.attn.k_norm.weight"):
+        return head
+    if template not in ("layers.{i}.attn.qkv.weight", "layers.{i}.attn.qkv.bias"):
+        return None
+    qk_heads = spec.num_heads + spec.num_kv_heads
+    rows = (np.arange(qk_heads)[:, None] * spec.head_dim + head[None, :]).reshape(-1)
+    return np.concatenate([rows, np.arange(qk_heads * spec.head_dim, spec.q_size + 2 * spec.kv_size)])
 
 
 def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, also_used: set[str] = frozenset()) -> list[PlannedTensor]:
@@ -34,6 +56,8 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, al
     for name, template, layer in tensor_names(spec):
         parts = layout[template]
         sources = tuple(s.format(i=layer) for s in arch.weight_names[template])
+        if len(sources) == 1 and len(parts) > 1:  # the checkpoint stores the fused tensor (Phi-3's qkv_proj)
+            parts = (full_shape(parts),)
         for source, want in zip(sources, parts):
             if source not in available:
                 problems.append(f"missing tensor {source} (needed for {name})")
@@ -41,7 +65,7 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, al
                 got = list(checkpoint.tensor_shape(source))
                 problems.append(f"tensor {source} has shape {got}, the config implies {list(want)}")
         used.update(sources)
-        plan.append(PlannedTensor(name, sources, full_shape(parts)))
+        plan.append(PlannedTensor(name, sources, full_shape(parts), _rotary_rows(spec, template)))
     ignored = {s.format(i=i) for s in IGNORED_ALWAYS for i in range(spec.num_layers)}
     if spec.tie_word_embeddings:
         ignored.update(IGNORED_WHEN_TIED)

@@ -227,6 +227,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("sliding_window_layers", &CpuModelConfig::sliding_window_layers)
       .def_readwrite("tie_word_embeddings", &CpuModelConfig::tie_word_embeddings)
       .def_readwrite("inv_freq", &CpuModelConfig::inv_freq)
+      .def_readwrite("rotary_dim", &CpuModelConfig::rotary_dim)
       .def_readwrite("attention_factor", &CpuModelConfig::attention_factor)
       .def_readwrite("dtype", &CpuModelConfig::dtype)
       .def_readwrite("kv_fp8", &CpuModelConfig::kv_fp8)

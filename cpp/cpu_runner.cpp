@@ -21,6 +21,9 @@ CpuRunner::CpuRunner(CpuModelConfig config) : config_(std::move(config)), pool_(
   if (c.first_layer < 0 || (c.first_layer > 0 && !c.layers_only))
     throw std::invalid_argument("first_layer is for layers_only runners and cannot be negative");
   if (int(c.inv_freq.size()) != c.head_dim / 2) throw std::invalid_argument("inv_freq must have head_dim / 2 entries");
+  if (config_.rotary_dim == 0) config_.rotary_dim = c.head_dim;  // configs that predate partial rotary
+  if (c.rotary_dim % 2 || c.rotary_dim < 0 || c.rotary_dim > c.head_dim)
+    throw std::invalid_argument("rotary_dim must be even and at most head_dim");
   if (c.kv_fp8 && (int(c.k_scales.size()) != c.num_layers || int(c.v_scales.size()) != c.num_layers))
     throw std::invalid_argument("an fp8 KV cache needs one K and one V scale per layer");
   for (size_t i = 0; i < c.k_scales.size() && c.kv_fp8; ++i)
@@ -329,8 +332,8 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
           rms_norm(q, L.q_norm, c.num_heads, D, c.norm_eps, q);
           rms_norm(k, L.k_norm, c.num_kv_heads, D, c.norm_eps, k);
         }
-        rope(q, c.num_heads, D, batch.positions[t], c.inv_freq.data(), c.attention_factor);
-        rope(k, c.num_kv_heads, D, batch.positions[t], c.inv_freq.data(), c.attention_factor);
+        rope(q, c.num_heads, D, c.rotary_dim / 2, batch.positions[t], c.inv_freq.data(), c.attention_factor);
+        rope(k, c.num_kv_heads, D, c.rotary_dim / 2, batch.positions[t], c.inv_freq.data(), c.attention_factor);
         write_kv(cache, token_table[t], batch.positions[t], k, k + kv_size);
       }
     });

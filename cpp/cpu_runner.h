@@ -44,6 +44,7 @@ struct CpuModelConfig {
   std::vector<int> sliding_window_layers;  // layers using the window
   bool tie_word_embeddings = false;
   std::vector<float> inv_freq;  // head_dim / 2 rotary inverse frequencies
+  int rotary_dim = 0;           // leading dims RoPE rotates (pairs j < rotary_dim / 2); 0: head_dim
   float attention_factor = 1.0f;
   WeightDtype dtype = WeightDtype::kF32;  // matrices not quantized; vectors are float32
   bool kv_fp8 = false;                    // E4M3 KV cache with these per-layer scales

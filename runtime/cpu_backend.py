@@ -34,7 +34,7 @@ def make_cpu_runner(
     spec = engine.config.model
     if layers is not None and not (layers.step == 1 and 0 <= layers.start < layers.stop <= spec.num_layers):
         raise ValueError(f"layers must be a non-empty range within 0..{spec.num_layers}, got {layers}")
-    inv_freq, attention_factor = rope_parameters(spec)
+    inv_freq, attention_factor = rope_parameters(spec, engine.config.limits.max_seq_len)
     c = _C.CpuModelConfig()
     c.vocab_size = spec.vocab_size
     c.hidden_size = spec.hidden_size
@@ -50,6 +50,7 @@ def make_cpu_runner(
     c.sliding_window_layers = list(spec.sliding_window_layers)
     c.tie_word_embeddings = spec.tie_word_embeddings
     c.inv_freq = inv_freq.tolist()
+    c.rotary_dim = spec.rotary_dim
     c.attention_factor = attention_factor
     c.dtype = _WEIGHT_DTYPES[engine.config.dtype]
     if engine.config.quant.kv_cache is not None:

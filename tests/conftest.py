@@ -97,6 +97,49 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
         ),
     ),
+    # phi3: fused qkv / gate_up, longrope (short factors: the engines' max_seq_len fits the original context),
+    # sliding window on every layer, untied
+    "phi3": (
+        "phi3",
+        dict(
+            _COMMON,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=24,
+            max_position_embeddings=1024,
+            original_max_position_embeddings=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    # phi4-mini: partial rotary (3/4 of head_dim), longrope, GQA 4:1, tied
+    "phi4mini": (
+        "phi3",
+        dict(
+            _COMMON,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            max_position_embeddings=1024,
+            original_max_position_embeddings=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={
+                "rope_type": "longrope",
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0],
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
     # qwen3: qk-norm, head_dim != hidden / heads, untied, yarn with explicit attention factor
     "qwen3": (
         "qwen3",

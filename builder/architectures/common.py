@@ -77,7 +77,9 @@ _ROPE_KEYS = {
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"},
+    "longrope": {"factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"},
 }
+_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
 
 def rope_from_config(config: dict[str, Any], arch: str) -> tuple[float, RopeScaling | None]:
@@ -89,13 +91,14 @@ def rope_from_config(config: dict[str, Any], arch: str) -> tuple[float, RopeScal
     else:
         theta, scaling = config.get("rope_theta", 10000.0), dict(config.get("rope_scaling") or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
     scaling.pop("type", None)
     scaling.pop("rope_theta", None)
     if rope_type not in ROPE_TYPES:
         raise PrecastError(f"{arch}: RoPE scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse_if(True, arch, "partial rotary embeddings (partial_rotary_factor != 1)")
-    scaling.pop("partial_rotary_factor", None)
+    scaling.pop("partial_rotary_factor", None)  # read by rotary_dim_from_config
+    if rope_type == "longrope":
+        return float(theta), _longrope(config, scaling, arch)
     unknown = set(k for k, v in scaling.items() if v is not None) - _ROPE_KEYS[rope_type]
     refuse_if(bool(unknown), arch, f"RoPE {rope_type} parameters {sorted(unknown)}")
     if rope_type == "default":
@@ -120,6 +123,37 @@ def rope_from_config(config: dict[str, Any], arch: str) -> tuple[float, RopeScal
     )
 
 
+def _longrope(config: dict[str, Any], scaling: dict[str, Any], arch: str) -> RopeScaling:
+    unknown = set(k for k, v in scaling.items() if v is not None) - _ROPE_KEYS["longrope"]
+    refuse_if(bool(unknown), arch, f"RoPE longrope parameters {sorted(unknown)}")
+    original = scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if original is None:
+        raise PrecastError(f"{arch}: longrope RoPE scaling needs original_max_position_embeddings")
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list | tuple):
+            raise PrecastError(f"{arch}: longrope RoPE scaling needs a {key} list (one value per rotary frequency)")
+        factors[key] = tuple(float(v) for v in scaling[key])
+    # transformers: without an explicit factor, the ratio of the extended to the original context
+    factor = scaling.get("factor") or int(require(config, "max_position_embeddings", arch)) / int(original)
+    return RopeScaling(
+        rope_type="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        attention_factor=_float_or_none(scaling.get("attention_factor")),
+        **factors,
+    )
+
+
+def rotary_dim_from_config(config: dict[str, Any], head_dim: int, arch: str) -> int:
+    """head_dim x partial_rotary_factor (top level, or inside rope_parameters as transformers 5 writes it)."""
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+    dim = int(head_dim * float(factor))
+    refuse_if(dim % 2 != 0 or dim <= 0, arch, f"partial_rotary_factor={factor} (rotary dimension {dim} must be even and > 0)")
+    return dim
+
+
 def _float_or_none(v: Any) -> float | None:
     return None if v is None else float(v)
 
@@ -128,6 +162,7 @@ def decoder_spec(config: dict[str, Any], arch: str, **overrides: Any) -> ModelSp
     """The fields every supported family reads the same way; families pass what differs."""
     hidden = int(require(config, "hidden_size", arch))
     heads = int(require(config, "num_attention_heads", arch))
+    head_dim = int(config.get("head_dim") or hidden // heads)
     theta, scaling = rope_from_config(config, arch)
     fields: dict[str, Any] = dict(
         architecture=arch,
@@ -137,7 +172,8 @@ def decoder_spec(config: dict[str, Any], arch: str, **overrides: Any) -> ModelSp
         num_layers=int(require(config, "num_hidden_layers", arch)),
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
+        rotary_dim=rotary_dim_from_config(config, head_dim, arch),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         activation=check_activation(config, arch),
         rope_theta=theta,

@@ -438,9 +438,10 @@ void silu_and_mul(const float* gate_up, int num_rows, int inter, float* out) {
   }
 }
 
-void rope(float* x, int num_heads, int head_dim, int position, const float* inv_freq, float scale) {
+void rope(float* x, int num_heads, int head_dim, int rotary_pairs, int position, const float* inv_freq, float scale) {
   const int half = head_dim / 2;
-  for (int j = 0; j < half; ++j) {
+  // Pairs from rotary_pairs on pass through untouched (partial rotary; not scaled either).
+  for (int j = 0; j < rotary_pairs; ++j) {
     // The angle in float32, as reference implementations compute it.
     const float angle = float(position) * inv_freq[j];
     const float c = std::cos(angle) * scale, s = std::sin(angle) * scale;

@@ -77,7 +77,8 @@ void silu_and_mul(const float* gate_up, int num_rows, int inter, float* out);
 
 // Rotary embedding in place on `num_heads` heads of `head_dim` starting at `x` (HF's
 // rotate-half layout): pair (j, j + head_dim / 2) rotated by position * inv_freq[j],
-// then multiplied by `scale` (yarn's attention factor, 1 otherwise).
-void rope(float* x, int num_heads, int head_dim, int position, const float* inv_freq, float scale);
+// then multiplied by `scale` (yarn's / longrope's attention factor, 1 otherwise), for
+// j < rotary_pairs; later pairs pass through (partial rotary, rows reordered by the builder).
+void rope(float* x, int num_heads, int head_dim, int rotary_pairs, int position, const float* inv_freq, float scale);
 
 }  // namespace precast

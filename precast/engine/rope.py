@@ -1,8 +1,13 @@
 """RoPE frequencies from a ModelSpec: every backend gets the same inverse frequencies.
 
 Rotary embedding rotates each pair (x[j], x[j + head_dim/2]) of a head by the angle
-position * inv_freq[j]. Scaling schemes only change inv_freq (and, for yarn, scale the
+position * inv_freq[j]. Scaling schemes only change inv_freq (and, for yarn and longrope, scale the
 rotated q/k by `attention_factor`), so a backend needs just these two values.
+
+Partial rotary (spec.rotary_dim < head_dim): HF rotates pairs (j, j + rotary_dim/2) of the first rotary_dim
+dimensions and passes the rest through. The builder reorders each q/k head's rows with `rotary_row_order`, which
+puts those pairs at (j, j + head_dim/2) for j < rotary_dim/2; backends rotate only the first rotary_dim/2 pairs
+(inv_freq is zero beyond them). q.k is unchanged by a permutation applied to both, so nothing else notices.
 """
 
 from __future__ import annotations
@@ -14,13 +19,32 @@ import numpy as np
 from precast.engine.spec import ModelSpec
 
 
-def rope_parameters(spec: ModelSpec) -> tuple[np.ndarray, float]:
-    """(inv_freq as float32 [head_dim // 2], attention_factor) for this model.
+def rope_parameters(spec: ModelSpec, max_seq_len: int | None = None) -> tuple[np.ndarray, float]:
+    """(inv_freq as float32 [head_dim // 2], attention_factor) for this model; max_seq_len is the engine's (longrope
+    picks its factors by it). Entries from rotary_dim // 2 on are zero: those pairs pass through unrotated.
 
     Computed in float64 and rounded once, so they can differ from float32 reference code
     by an ulp (tested to 1e-6 relative).
     """
-    dim = spec.head_dim
+    inv_freq, attention = _rotary_parameters(spec, max_seq_len)
+    padded = np.zeros(spec.head_dim // 2, dtype=np.float32)
+    padded[: inv_freq.size] = inv_freq
+    return padded, attention
+
+
+def rotary_row_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Source row of each stored q/k row within a head: stored j <- j and stored j + head_dim/2 <- j + rotary_dim/2
+    for j < rotary_dim/2 (the rotary pairs), and the pass-through rows fill the rest in order."""
+    half, r_half = head_dim // 2, rotary_dim // 2
+    rot_first, rot_second = np.arange(r_half), np.arange(r_half, rotary_dim)
+    passing = np.arange(rotary_dim, head_dim)
+    first = np.concatenate([rot_first, passing[: half - r_half]])
+    second = np.concatenate([rot_second, passing[half - r_half :]])
+    return np.concatenate([first, second])
+
+
+def _rotary_parameters(spec: ModelSpec, max_seq_len: int | None) -> tuple[np.ndarray, float]:
+    dim = spec.rotary_dim
     base = spec.rope_theta
     inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     s = spec.rope_scaling
@@ -32,7 +56,31 @@ def rope_parameters(spec: ModelSpec) -> tuple[np.ndarray, float]:
         return _llama3(inv_freq, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings), 1.0
     if s.rope_type == "yarn":
         return _yarn(spec, inv_freq)
+    if s.rope_type == "longrope":
+        return _longrope(spec, max_seq_len)
     raise ValueError(f"unknown rope type {s.rope_type}")
+
+
+def _longrope(spec: ModelSpec, max_seq_len: int | None) -> tuple[np.ndarray, float]:
+    """inv_freq[j] = 1 / (ext[j] * base^(2j/dim)), ext = long_factor when the engine's sequences may exceed the
+    original context, else short_factor. transformers switches per forward pass by the current length; an engine
+    has one table, so an engine built for longer sequences than the original context uses the long factors for
+    every sequence (transformers would use the short ones for sequences that fit)."""
+    s = spec.rope_scaling
+    assert s is not None and s.original_max_position_embeddings is not None
+    assert s.short_factor is not None and s.long_factor is not None
+    original = s.original_max_position_embeddings
+    ext = np.asarray(s.long_factor if max_seq_len is not None and max_seq_len > original else s.short_factor, np.float32)
+    dim = spec.rotary_dim
+    # float32 as transformers computes it (its factors are float32 tensors): 1 / (ext * base ** (2j / dim))
+    shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (ext * np.float32(spec.rope_theta) ** shape)).astype(np.float32)
+    factor = s.factor
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    else:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return inv_freq, float(attention)
 
 
 def _llama3(inv_freq: np.ndarray, factor: float, low: float | None, high: float | None, original: int | None) -> np.ndarray:
@@ -54,7 +102,7 @@ def _yarn(spec: ModelSpec, inv_freq: np.ndarray) -> tuple[np.ndarray, float]:
     ramp in between. The attention factor defaults to 0.1 ln(factor) + 1."""
     s = spec.rope_scaling
     assert s is not None and s.original_max_position_embeddings is not None
-    dim, base, factor = spec.head_dim, spec.rope_theta, s.factor
+    dim, base, factor = spec.rotary_dim, spec.rope_theta, s.factor
     beta_fast = s.beta_fast or 32.0
     beta_slow = s.beta_slow or 1.0
 

@@ -152,10 +152,11 @@ class DecoderLowering:
         kv_lengths = ops.input("kv_lengths", "int32", (S,))
         last_token_ids = ops.input("last_token_ids", "int32", (-1,))
 
-        inv_freq, attention_factor = rope_parameters(spec)
+        inv_freq, attention_factor = rope_parameters(spec, self.engine.config.limits.max_seq_len)
         angles = np.arange(shape.cache_len, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32, as the CPU runner
-        cos = self.const("rope.cos", np.cos(angles) * np.float32(attention_factor))
-        sin = self.const("rope.sin", np.sin(angles) * np.float32(attention_factor))
+        cos_table, sin_table = np.cos(angles) * np.float32(attention_factor), np.sin(angles) * np.float32(attention_factor)
+        cos_table[:, spec.rotary_dim // 2 :], sin_table[:, spec.rotary_dim // 2 :] = 1.0, 0.0  # partial rotary: pass through
+        cos, sin = self.const("rope.cos", cos_table), self.const("rope.sin", sin_table)
         q_scale = self.scalar(1.0 / math.sqrt(D), act, 4)
         read = self.engine.weights.read
 

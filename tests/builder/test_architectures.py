@@ -9,7 +9,7 @@ import torch
 from precast.builder.architectures import find_architecture
 from precast.builder.build import BuildOptions, build_engine
 from precast.engine.directory import load_engine
-from precast.engine.rope import rope_parameters
+from precast.engine.rope import rope_parameters, rotary_row_order
 from precast.engine.spec import ModelSpec
 from tests.conftest import TINY_CONFIGS
 
@@ -28,11 +28,22 @@ HF_PARTS = {
 GLOBAL_PARTS = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 
 
-def hf_reference(state: dict[str, torch.Tensor], name: str) -> np.ndarray:
+# Phi-3 checkpoints store q|k|v and gate|up fused already.
+FUSED_PARTS = {"attn.qkv.weight": ["self_attn.qkv_proj.weight"], "mlp.gate_up.weight": ["mlp.gate_up_proj.weight"]}
+
+
+def hf_reference(state: dict[str, torch.Tensor], name: str, spec: ModelSpec | None = None) -> np.ndarray:
     if name in GLOBAL_PARTS:
         return state[GLOBAL_PARTS[name]].numpy()
     _, layer, rest = name.split(".", 2)
-    return np.concatenate([state[f"model.layers.{layer}.{p}"].numpy() for p in HF_PARTS[rest]], axis=0)
+    parts = FUSED_PARTS.get(rest, HF_PARTS[rest]) if f"model.layers.{layer}.self_attn.qkv_proj.weight" in state else HF_PARTS[rest]
+    array = np.concatenate([state[f"model.layers.{layer}.{p}"].numpy() for p in parts], axis=0)
+    if spec is not None and spec.rotary_dim < spec.head_dim and rest == "attn.qkv.weight":
+        # partial rotary: each q/k head's rows reordered so rotary pairs sit head_dim/2 apart (engine/rope.py)
+        order = rotary_row_order(spec.head_dim, spec.rotary_dim)
+        qk = array[: spec.q_size + spec.kv_size].reshape(-1, spec.head_dim, array.shape[1])[:, order]
+        array = np.concatenate([qk.reshape(-1, array.shape[1]), array[spec.q_size + spec.kv_size :]])
+    return array
 
 
 EXPECTED_FEATURES = {
@@ -41,6 +52,8 @@ EXPECTED_FEATURES = {
     "mistral": dict(qkv_bias=False, qk_norm=False, sliding_window=16, tie_word_embeddings=False, num_kv_heads=2, rope=None),
     "qwen2": dict(qkv_bias=True, qk_norm=False, sliding_window=8, tie_word_embeddings=True, num_kv_heads=2, rope="yarn"),
     "qwen3": dict(qkv_bias=False, qk_norm=True, sliding_window=None, tie_word_embeddings=False, num_kv_heads=2, rope="yarn"),
+    "phi3": dict(qkv_bias=False, qk_norm=False, sliding_window=24, tie_word_embeddings=False, num_kv_heads=2, rope="longrope"),
+    "phi4mini": dict(qkv_bias=False, qk_norm=False, sliding_window=None, tie_word_embeddings=True, num_kv_heads=1, rope="longrope"),
 }
 
 
@@ -64,10 +77,14 @@ def test_build_and_reload_fp32(name, tiny_checkpoints, tmp_path):
     state = model.state_dict()
     assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
     for tensor_name in engine.weights.tensors:
-        np.testing.assert_array_equal(engine.weights.read(tensor_name), hf_reference(state, tensor_name), err_msg=tensor_name)
-    # The engine's RoPE frequencies are the ones transformers uses.
+        want_tensor = hf_reference(state, tensor_name, spec)
+        np.testing.assert_array_equal(engine.weights.read(tensor_name), want_tensor, err_msg=tensor_name)
+    # The engine's RoPE frequencies are the ones transformers uses (zero beyond a partial rotary dimension; longrope:
+    # its short factors, which transformers' buffer holds; tests/runtime/test_model_vs_hf.py checks the long ones).
     inv_freq, attention_factor = rope_parameters(spec)
-    np.testing.assert_allclose(inv_freq, model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6)
+    theirs = model.model.rotary_emb.inv_freq.numpy()
+    assert spec.rotary_dim == 2 * theirs.size and not inv_freq[theirs.size :].any()
+    np.testing.assert_allclose(inv_freq[: theirs.size], theirs, rtol=1e-6)
     assert attention_factor == pytest.approx(model.model.rotary_emb.attention_scaling)
     # Sliding-window layers are the ones transformers applies the window to.
     layer_types = getattr(model.config, "layer_types", None)

@@ -64,6 +64,25 @@ def test_unsupported_feature_is_refused_not_half_built(ckpt, tmp_path):
         build(ckpt, tmp_path / "engine")
 
 
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda rope: rope.update(short_factor=rope["short_factor"][:-1]), "longrope short_factor needs rotary_dim / 2 = 8 values, got 7"),
+        (lambda rope: rope.pop("long_factor"), "needs a long_factor list"),
+        (lambda rope: rope.update(partial_rotary_factor=0.35), r"partial_rotary_factor=0.35 \(rotary dimension 5 must be even"),
+        (lambda rope: rope.update(rope_type="dynamic"), "RoPE scaling type 'dynamic' is not supported; supported: .*longrope"),
+    ],
+)
+def test_bad_phi3_rope_is_refused(edit, message, tiny_checkpoints, tmp_path):
+    ckpt = Path(shutil.copytree(tiny_checkpoints["phi3"], tmp_path / "ckpt"))
+    config = json.loads((ckpt / "config.json").read_text())
+    edit(config["rope_parameters"])
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PrecastError, match=message):
+        build(ckpt, tmp_path / "engine")
+    assert_nothing_left(tmp_path)
+
+
 def test_missing_config(ckpt, tmp_path):
     (ckpt / "config.json").unlink()
     with pytest.raises(PrecastError, match="no config.json"):

@@ -21,6 +21,7 @@ from precast.engine.formats import (
     fake_quant_nvfp4_activation,
     quantize_int4,
 )
+from precast.engine.rope import rotary_row_order
 from precast.engine.safetensors_file import SafetensorsWriter
 from precast.engine.tensors import linear_shapes
 from precast.errors import PrecastError
@@ -40,6 +41,8 @@ HF_LINEARS = {
     "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down": ("mlp.down_proj",),
 }
+# Phi-3 modules hold q|k|v and gate|up fused, as the engine does.
+FUSED_LINEARS = {**HF_LINEARS, "attn.qkv": ("self_attn.qkv_proj",), "mlp.gate_up": ("mlp.gate_up_proj",)}
 
 
 def dequantized(engine, layer: str, entry: dict) -> np.ndarray:
@@ -61,6 +64,11 @@ def hf_twin(engine, checkpoint):
     # from_config, not from_pretrained (which modelopt patches once imported): every weight is replaced below.
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint), dtype=torch.float32).eval()
     spec = engine.config.model
+    linears = FUSED_LINEARS if model.config.model_type == "phi3" else HF_LINEARS
+    # partial rotary: the engine stores each q/k head's rows in rotary-pair order; undo it for transformers
+    head_order = np.argsort(rotary_row_order(spec.head_dim, spec.rotary_dim))
+    qk_rows = (np.arange(spec.num_heads + spec.num_kv_heads)[:, None] * spec.head_dim + head_order).reshape(-1)
+    unpermute = np.concatenate([qk_rows, np.arange(spec.q_size + spec.kv_size, spec.q_size + 2 * spec.kv_size)])
     layers = engine.config.quant.to_dict().get("layers", {})
     state = {}
     for name in engine.weights.tensors:
@@ -68,6 +76,8 @@ def hf_twin(engine, checkpoint):
             continue
         layer = name[: -len(".weight")]
         array = dequantized(engine, layer, layers[layer]) if layer in layers else engine.weights.read(name).astype(np.float32)
+        if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+            array = array[unpermute]
         state[name] = torch.from_numpy(np.ascontiguousarray(array))
     hf_state = {}
     sizes = {"attn.qkv": [spec.q_size, spec.kv_size, spec.kv_size], "mlp.gate_up": [spec.intermediate_size] * 2}
@@ -95,7 +105,8 @@ def hf_twin(engine, checkpoint):
                 hf_state[p + simple[rest]] = t
             else:
                 kind, what = rest.rsplit(".", 1)
-                for part, chunk in zip(HF_LINEARS[kind], torch.split(t, sizes[kind], dim=0)):
+                chunks = torch.split(t, sizes[kind], dim=0) if len(linears[kind]) > 1 else (t,)
+                for part, chunk in zip(linears[kind], chunks):
                     hf_state[f"{p}{part}.{what}"] = chunk
     model.load_state_dict(hf_state, strict=True)
 
@@ -117,7 +128,7 @@ def hf_twin(engine, checkpoint):
             model.lm_head.register_forward_pre_hook(hook_for(entry))
             continue
         _, i, kind = layer.split(".", 2)
-        for part in HF_LINEARS[kind]:
+        for part in linears[kind]:
             model.get_submodule(f"model.layers.{i}.{part}").register_forward_pre_hook(hook_for(entry))
     return model
 
@@ -129,6 +140,9 @@ CASES = [
     ("qwen3", "nvfp4", False),
     ("mistral", "int4_awq", False),
     ("llama3", "int4_awq", True),
+    ("phi4mini", "fp8", True),
+    ("phi3", "nvfp4", False),
+    ("phi4mini", "int4_awq", False),
 ]
 
 
@@ -137,7 +151,11 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
     out = tmp_path / "engine"
     build_engine(
         BuildOptions(
-            tiny_checkpoints[name], out, progress=False, quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB)
+            tiny_checkpoints[name],
+            out,
+            max_seq_len=256,  # longrope (phi): within the original context, as transformers runs a 40-token prompt
+            progress=False,
+            quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB),
         )
     )
     engine = load_engine(out)

@@ -148,3 +148,22 @@ def test_small_kv_blocks_and_chunked_prefill_match_hf_exactly(tokens_per_block, 
             want.append(int(model(torch.tensor([want])).logits[0, -1].argmax()))
     assert pieces.token_ids == whole.token_ids == want[len(prompt) :]
     assert pieces.top_logprobs == whole.top_logprobs
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi4mini"])
+def test_longrope_engine_for_long_sequences_uses_the_long_factors(name, tiny_checkpoints, tmp_path):
+    """An engine whose max_seq_len exceeds the original context rotates with the long factors, as transformers does
+    for a sequence longer than that context (300 > 256 tokens here); partial rotary (phi4mini) included."""
+    from transformers import AutoModelForCausalLM
+
+    from precast.builder.build import BuildOptions, build_engine
+    from precast.engine.directory import load_engine
+    from precast.runtime.cpu_backend import make_cpu_runner
+
+    build_engine(BuildOptions(tiny_checkpoints[name], tmp_path / "e", max_seq_len=512, progress=False))
+    prompt = np.random.default_rng(5).integers(0, TINY_CONFIGS[name][1]["vocab_size"], 300).tolist()
+    ours = make_cpu_runner(load_engine(tmp_path / "e"), num_threads=2).evaluate(prompt, True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(ours, theirs, atol=2e-4 * np.abs(theirs).max())

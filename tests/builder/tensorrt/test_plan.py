@@ -212,3 +212,11 @@ def test_smollm2_plan_and_its_network_answer_on_cpu(smollm2_gguf, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "The capital of France is Paris." in r.stdout
+
+
+def test_phi3_family_plan_builds(tiny_checkpoints, tmp_path):
+    """Phi-4-mini's shape (partial rotary, longrope, tied, 4:1 GQA) lowers and builds a real plan."""
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(tiny_checkpoints["phi4mini"], out, dtype="bfloat16", targets=("cpu", "tensorrt"), **SMALL))
+    engine = load_engine(out)
+    assert engine.config.model.rotary_dim == 12 and (out / PLAN_FILE).stat().st_size == engine.config.targets["tensorrt"]["plan_bytes"]

@@ -18,7 +18,7 @@ from precast.runtime.tensorrt.numpy_ops import NumpyOps
 from tests.conftest import TINY_CONFIGS
 
 # Layers with a sliding window cannot be lowered; an engine whose max_seq_len fits in the window can.
-SEQ = {"mistral": 16, "qwen2": 8}
+SEQ = {"mistral": 16, "qwen2": 8, "phi3": 24}  # at most the sliding window (TensorRT has none)
 
 
 def numpy_prefill(engine_dir: Path, prompt: list[int], act_dtype: str | None = None) -> tuple[np.ndarray, NumpyOps]:
@@ -115,7 +115,7 @@ def test_numpy_lowering_matches_the_cpu_runner_on_quantized_engines(recipe, quan
     assert "dequantize" in {e.op for e in ops.trace}
 
 
-@pytest.mark.parametrize("which", ["llama", "qwen3", "fp8", "nvfp4", "int4_awq"])
+@pytest.mark.parametrize("which", ["llama", "qwen3", "phi4mini", "fp8", "nvfp4", "int4_awq"])
 def test_recorded_network_matches_the_numpy_trace(which, tiny_trt_engines, quantized_tiny):
     """One lowering, two backends: the TensorRT layers and the numpy ops agree entry by entry (op, shape, dtype)."""
     from precast.runtime.tensorrt.trt_ops import TrtOps, import_tensorrt, quiet_logger
