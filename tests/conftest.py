@@ -51,6 +51,8 @@ def pytest_collection_modifyitems(config, items):
 # Tiny configs that between them cover GQA, tied and untied embeddings, sliding windows,
 # qkv bias, qk-norm and every RoPE scaling type precast supports.
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=128)
+# Phi-3 configs default pad/eos to 32000, outside the tiny vocabulary; the context was extended 4x (longrope).
+_PHI3 = dict(_COMMON, max_position_embeddings=1024, original_max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     # llama: GQA 4:2, untied, linear RoPE scaling
     "llama": (
@@ -102,15 +104,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "phi3": (
         "phi3",
         dict(
-            _COMMON,
+            _PHI3,
             num_key_value_heads=2,
             tie_word_embeddings=False,
             sliding_window=24,
-            max_position_embeddings=1024,
-            original_max_position_embeddings=256,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
             rope_parameters={
                 "rope_type": "longrope",
                 "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
@@ -123,14 +120,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "phi4mini": (
         "phi3",
         dict(
-            _COMMON,
+            _PHI3,
             num_key_value_heads=1,
             tie_word_embeddings=True,
-            max_position_embeddings=1024,
-            original_max_position_embeddings=256,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
             rope_parameters={
                 "rope_type": "longrope",
                 "partial_rotary_factor": 0.75,
