@@ -13,6 +13,7 @@
 #include "cpu_features.h"
 #include "cpu_runner.h"
 #include "executor.h"
+#include "guided_decoder.h"
 #include "kv_cache_manager.h"
 #include "model_runner.h"
 #include "sampler.h"
@@ -41,6 +42,25 @@ class PyModelRunner : public ModelRunner, public py::trampoline_self_life_suppor
     if (!override) throw std::runtime_error("ModelRunner.forward is not implemented");
     py::array_t<float> logits = py::array_t<float, py::array::c_style | py::array::forcecast>(override(batch));
     return std::vector<float>(logits.data(), logits.data() + logits.size());
+  }
+};
+
+// Lets structured outputs' grammars (runtime/guided.py, Python over llguidance) plug into the
+// executor: the masks are handed to Python as a [rows, words] int32 view of the executor's buffer.
+class PyGuidedDecoder : public GuidedDecoder, public py::trampoline_self_life_support {
+ public:
+  using GuidedDecoder::GuidedDecoder;
+  std::vector<std::string> fill_masks(const std::vector<uint64_t>& guide_ids, int32_t* masks,
+                                      int words_per_row) override {
+    py::gil_scoped_acquire gil;
+    py::function override = py::get_override(static_cast<const GuidedDecoder*>(this), "fill_masks");
+    if (!override) throw std::runtime_error("GuidedDecoder.fill_masks is not implemented");
+    const py::ssize_t rows = py::ssize_t(guide_ids.size());
+    py::array_t<int32_t> view({rows, py::ssize_t(words_per_row)}, masks, py::capsule(masks, [](void*) {}));
+    return override(guide_ids, view).cast<std::vector<std::string>>();
+  }
+  void advance(const std::vector<uint64_t>& guide_ids, const std::vector<TokenId>& tokens) override {
+    PYBIND11_OVERRIDE_PURE(void, GuidedDecoder, advance, guide_ids, tokens);
   }
 };
 
@@ -95,7 +115,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
       .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
       .def_readwrite("seed", &SamplingParams::seed)
-      .def_readwrite("top_logprobs", &SamplingParams::top_logprobs);
+      .def_readwrite("top_logprobs", &SamplingParams::top_logprobs)
+      .def_readwrite("logit_bias", &SamplingParams::logit_bias);
 
   py::class_<Request>(m, "Request")
       .def(py::init<>())
@@ -107,7 +128,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("ignore_eos", &Request::ignore_eos)
       .def_readwrite("streaming", &Request::streaming)
       .def_readwrite("priority", &Request::priority)
-      .def_readwrite("bad_words", &Request::bad_words);
+      .def_readwrite("bad_words", &Request::bad_words)
+      .def_readwrite("guide_id", &Request::guide_id);
 
   py::enum_<FinishReason>(m, "FinishReason")
       .value("NONE", FinishReason::kNone)
@@ -416,8 +438,11 @@ PYBIND11_MODULE(_C, m) {
       "y = x @ W.T for a weight in the engine's stored layout (kernel tests); repeats=-N returns (y, mean seconds of N "
       "multiplies after a warm-up, packing excluded), for benchmarks/gemm_cpu.py.");
 
+  py::class_<GuidedDecoder, PyGuidedDecoder, py::smart_holder>(m, "GuidedDecoder").def(py::init<>());
+
   py::class_<Executor, py::smart_holder>(m, "Executor")
-      .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>>(), py::call_guard<py::gil_scoped_release>())
+      .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>, std::shared_ptr<GuidedDecoder>>(), py::arg("config"),
+           py::arg("runner"), py::arg("guided") = nullptr, py::call_guard<py::gil_scoped_release>())
       .def("enqueue", &Executor::enqueue)
       .def("await_responses", &Executor::await_responses, py::arg("timeout") = 0.1,
            py::call_guard<py::gil_scoped_release>())
@@ -508,14 +533,22 @@ PYBIND11_MODULE(_C, m) {
       "sample_token",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, const SamplingParams& params,
          const std::vector<TokenId>& context, int num_output, const std::vector<std::vector<TokenId>>& bad_words,
-         const std::vector<TokenId>& banned, uint64_t seed) {
+         const std::vector<TokenId>& banned, uint64_t seed, std::optional<py::array_t<int32_t>> allowed) {
         std::vector<float> row(logits.data(), logits.data() + logits.size());
         SamplerState state(seed);
+        const int32_t* mask = nullptr;
+        if (allowed) {
+          PRECAST_CHECK(allowed->size() == mask_words(int(row.size())), "the mask needs one bit per token");
+          mask = allowed->data();
+        }
         SampleResult r =
-            sample_token(row.data(), int(row.size()), params, context, num_output, bad_words, banned, state);
+            sample_token(row.data(), int(row.size()), params, context, num_output, bad_words, banned, mask, state);
         std::vector<std::pair<TokenId, float>> top;
         for (const auto& t : r.top) top.emplace_back(t.token, t.logprob);
         return py::make_tuple(r.token, r.logprob, top);
       },
-      "One sampler step on a logits row (for tests): returns (token, logprob, top logprobs).");
+      py::arg("logits"), py::arg("params"), py::arg("context"), py::arg("num_output"), py::arg("bad_words"),
+      py::arg("banned"), py::arg("seed"), py::arg("allowed") = py::none(),
+      "One sampler step on a logits row (for tests): returns (token, logprob, top logprobs); token -1 when "
+      "nothing may be sampled.");
 }

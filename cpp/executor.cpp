@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <random>
 #include <stdexcept>
 #include <utility>
@@ -10,8 +11,8 @@
 
 namespace precast {
 
-Executor::Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner)
-    : config_(std::move(config)), runner_(std::move(runner)) {
+Executor::Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner, std::shared_ptr<GuidedDecoder> guided)
+    : config_(std::move(config)), runner_(std::move(runner)), guided_(std::move(guided)) {
   if (!runner_) throw std::invalid_argument("Executor needs a model runner");
   int tokens_per_block = config_.tokens_per_block;
   if (runner_->slot_mode()) {
@@ -64,6 +65,11 @@ void Executor::validate(const Request& r) const {
   if (!(s.presence_penalty >= -2.0f && s.presence_penalty <= 2.0f)) fail("presence_penalty must be in [-2, 2]");
   if (!(s.frequency_penalty >= -2.0f && s.frequency_penalty <= 2.0f)) fail("frequency_penalty must be in [-2, 2]");
   if (s.top_logprobs > 20) fail("top_logprobs must be at most 20");
+  for (const auto& [t, bias] : s.logit_bias) {
+    if (t < 0 || t >= vocab) fail("logit_bias token id " + std::to_string(t) + " is outside the vocabulary");
+    if (!std::isfinite(bias)) fail("logit_bias values must be finite numbers");
+  }
+  if (r.guide_id != 0 && !guided_) fail("this executor has no guided decoder for structured outputs");
   for (TokenId t : r.stop_token_ids)
     if (t < 0 || t >= vocab) fail("stop token id " + std::to_string(t) + " is outside the vocabulary");
   for (const auto& w : r.bad_words)
@@ -242,14 +248,22 @@ bool all_finite(const float* x, int n) {
 }
 }  // namespace
 
-void Executor::sample_into(RequestState& r, float* logits, int vocab, Response& resp) {
+void Executor::sample_into(RequestState& r, float* logits, int vocab, const int32_t* allowed, Response& resp) {
   const Request& q = r.request;
   std::vector<TokenId> banned;
   if (r.num_output() < q.min_tokens) {  // stop tokens may not end the output yet
     banned = q.stop_token_ids;
     if (!q.ignore_eos) banned.insert(banned.end(), config_.eos_token_ids.begin(), config_.eos_token_ids.end());
   }
-  SampleResult sr = sample_token(logits, vocab, q.sampling, r.tokens, r.num_output(), q.bad_words, banned, r.sampler);
+  SampleResult sr =
+      sample_token(logits, vocab, q.sampling, r.tokens, r.num_output(), q.bad_words, banned, allowed, r.sampler);
+  if (sr.token < 0) {
+    finish(r, FinishReason::kError, resp,
+           "no token may come next: the request's grammar" + std::string(banned.empty() ? "" : ", min_tokens") +
+               ", bad_words and logit_bias leave none (an output format that needs the end of text before "
+               "min_tokens, or bans what the format requires)");
+    return;
+  }
   r.tokens.push_back(sr.token);
   resp.new_tokens.push_back(sr.token);
   if (q.sampling.top_logprobs >= 0) {
@@ -322,8 +336,12 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
   const int vocab = runner_->vocab_size();
   int row = 0, num_context = 0;
   int64_t prompt_tokens = 0, generated = 0;
-  for (const ScheduledRequest& s : scheduled) {
+  const StepMasks masks = error.empty() ? guide_masks(scheduled) : StepMasks{};
+  std::vector<TokenId> guided_tokens(masks.guide_ids.size(), -1);  // per mask row: the token sampled
+  for (size_t i = 0; i < scheduled.size(); ++i) {
+    const ScheduledRequest& s = scheduled[i];
     RequestState& r = *s.state;
+    const int mask_row = masks.row_of.empty() ? -1 : masks.row_of[i];
     Response& resp = r.pending;
     resp.request_id = r.id;
     num_context += r.num_computed < r.num_prompt;
@@ -340,9 +358,13 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
                "the model produced non-finite logits (NaN or Inf) at position " + std::to_string(r.num_computed) +
                    "; the engine's weights or its float16 range may be at fault: check it with `precast inspect`, "
                    "rebuild it (float16 overflows: --dtype bfloat16)");
+      } else if (mask_row >= 0 && !masks.errors[mask_row].empty()) {
+        finish(r, FinishReason::kError, resp, "structured output: " + masks.errors[mask_row]);
       } else {
         generated += 1;
-        sample_into(r, row_logits, vocab, resp);
+        const int32_t* allowed = mask_row >= 0 ? masks.words.data() + int64_t(mask_row) * masks.words_per_row : nullptr;
+        sample_into(r, row_logits, vocab, allowed, resp);
+        if (mask_row >= 0 && resp.finish_reason != FinishReason::kError) guided_tokens[mask_row] = r.tokens.back();
       }
     }
     if (resp.finished()) finished.push_back(r.id);
@@ -351,6 +373,7 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
       resp = Response();
     }
   }
+  advance_guides(masks, guided_tokens);
   for (RequestId id : finished) scheduler_->remove(id);
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -363,6 +386,44 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
     refresh_stats_locked();
   }
   emit(std::move(responses));
+}
+
+// One call for the masks of every guided request that samples in this step (none: no call).
+Executor::StepMasks Executor::guide_masks(const std::vector<ScheduledRequest>& scheduled) {
+  StepMasks masks;
+  for (const ScheduledRequest& s : scheduled) {
+    const bool guided = s.sample && s.state->request.guide_id != 0;
+    masks.row_of.push_back(guided ? int(masks.guide_ids.size()) : -1);
+    if (guided) masks.guide_ids.push_back(s.state->request.guide_id);
+  }
+  const size_t rows = masks.guide_ids.size();
+  if (rows == 0) return StepMasks{};
+  masks.words_per_row = mask_words(runner_->vocab_size());
+  masks.words.assign(rows * masks.words_per_row, 0);  // a row left unfilled allows nothing
+  try {
+    masks.errors = guided_->fill_masks(masks.guide_ids, masks.words.data(), masks.words_per_row);
+    PRECAST_CHECK(masks.errors.size() == rows, "fill_masks returned " << masks.errors.size() << " messages");
+  } catch (const std::exception& e) {
+    masks.errors.assign(rows, std::string("the grammar failed: ") + e.what());
+  }
+  return masks;
+}
+
+// Each guided request that produced a token this step: its grammar consumes it (one call).
+void Executor::advance_guides(const StepMasks& masks, const std::vector<TokenId>& sampled) {
+  std::vector<uint64_t> ids;
+  std::vector<TokenId> tokens;
+  for (size_t i = 0; i < sampled.size(); ++i) {
+    if (sampled[i] < 0) continue;
+    ids.push_back(masks.guide_ids[i]);
+    tokens.push_back(sampled[i]);
+  }
+  if (ids.empty()) return;
+  try {
+    guided_->advance(ids, tokens);
+  } catch (const std::exception&) {
+    // A grammar that failed to advance says so at its next mask (fill_masks); a finished request is done.
+  }
 }
 
 }  // namespace precast

@@ -16,6 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "guided_decoder.h"
 #include "kv_cache_manager.h"
 #include "model_runner.h"
 #include "request.h"
@@ -49,7 +50,8 @@ struct ExecutorStats {
 
 class Executor {
  public:
-  Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner);
+  // `guided` serves requests with a guide_id (structured outputs); may be null.
+  Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner, std::shared_ptr<GuidedDecoder> guided = nullptr);
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -65,6 +67,13 @@ class Executor {
   int num_kv_blocks() const { return num_blocks_; }
 
  private:
+  struct StepMasks {                  // the grammar masks of a step's guided sampling requests
+    std::vector<int> row_of;          // per scheduled request: its mask row, or -1 when unguided or not sampling
+    std::vector<uint64_t> guide_ids;  // per row
+    std::vector<int32_t> words;
+    std::vector<std::string> errors;  // per row: why its grammar cannot go on, or empty
+    int words_per_row = 0;
+  };
   struct Work {  // what clients sent since the last step
     std::vector<std::unique_ptr<RequestState>> incoming;
     std::vector<RequestId> cancels;
@@ -79,7 +88,9 @@ class Executor {
   Batch pack(const std::vector<ScheduledRequest>& scheduled) const;
   std::vector<float> forward(const Batch& batch, std::string& error);
   void update(const std::vector<ScheduledRequest>& scheduled, std::vector<float>& logits, const std::string& error);
-  void sample_into(RequestState& r, float* logits, int vocab, Response& resp);
+  StepMasks guide_masks(const std::vector<ScheduledRequest>& scheduled);
+  void advance_guides(const StepMasks& masks, const std::vector<TokenId>& sampled);
+  void sample_into(RequestState& r, float* logits, int vocab, const int32_t* allowed, Response& resp);
   void finish(RequestState& r, FinishReason reason, Response& response, const std::string& error = {});
   void validate(const Request& request) const;
   void emit(std::vector<Response>&& responses);
@@ -87,6 +98,7 @@ class Executor {
 
   ExecutorConfig config_;
   std::shared_ptr<ModelRunner> runner_;
+  std::shared_ptr<GuidedDecoder> guided_;
   int num_blocks_ = 0;
   std::unique_ptr<KvCacheManager> kv_;
   std::unique_ptr<Scheduler> scheduler_;

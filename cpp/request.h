@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace precast {
@@ -19,8 +20,9 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;  // on prompt and output tokens, HF's rule
   float presence_penalty = 0.0f;    // on output tokens, OpenAI's rule
   float frequency_penalty = 0.0f;
-  std::optional<uint64_t> seed;  // same seed, same tokens, whatever shares the batch
-  int top_logprobs = -1;         // -1: no logprobs; 0: the chosen token's; n: also the n best
+  std::optional<uint64_t> seed;                       // same seed, same tokens, whatever shares the batch
+  int top_logprobs = -1;                              // -1: no logprobs; 0: the chosen token's; n: also the n best
+  std::vector<std::pair<TokenId, float>> logit_bias;  // added to those tokens' logits (OpenAI's logit_bias)
 };
 
 struct Request {
@@ -33,6 +35,7 @@ struct Request {
   bool streaming = false;
   int priority = 0;                             // higher first among waiting requests; FCFS within a priority
   std::vector<std::vector<TokenId>> bad_words;  // token sequences never generated
+  uint64_t guide_id = 0;                        // nonzero: a grammar of the executor's GuidedDecoder
 };
 
 enum class FinishReason { kNone, kLength, kStop, kCancelled, kError };

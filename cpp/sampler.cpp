@@ -34,6 +34,11 @@ void ban_bad_words(float* logits, int vocab, const std::vector<TokenId>& context
   }
 }
 
+void keep_allowed(float* logits, int vocab, const int32_t* allowed) {
+  for (int t = 0; t < vocab; ++t)
+    if (!((uint32_t(allowed[t >> 5]) >> (t & 31)) & 1u)) logits[t] = kNegInf;
+}
+
 void apply_penalties(float* logits, const SamplingParams& p, const std::vector<TokenId>& context, int num_output) {
   if (p.repetition_penalty != 1.0f) {
     std::vector<TokenId> seen(context.begin(), context.end());
@@ -135,15 +140,19 @@ TokenId draw(const float* logits, int vocab, const SamplingParams& p, SamplerSta
 
 SampleResult sample_token(float* logits, int vocab, const SamplingParams& p, const std::vector<TokenId>& context,
                           int num_output, const std::vector<std::vector<TokenId>>& bad_words,
-                          const std::vector<TokenId>& banned_now, SamplerState& state) {
+                          const std::vector<TokenId>& banned_now, const int32_t* allowed, SamplerState& state) {
   SampleResult result;
   std::vector<float> logprobs;
   if (p.top_logprobs >= 0) log_softmax(logits, vocab, logprobs);
 
+  if (allowed) keep_allowed(logits, vocab, allowed);
   ban_bad_words(logits, vocab, context, bad_words);
   for (TokenId t : banned_now)
     if (t >= 0 && t < vocab) logits[t] = kNegInf;
+  for (const auto& [t, bias] : p.logit_bias)
+    if (t >= 0 && t < vocab) logits[t] += bias;
   apply_penalties(logits, p, context, num_output);
+  if (*std::max_element(logits, logits + vocab) == kNegInf) return result;  // nothing may be sampled
 
   if (p.temperature <= 0.0f) {
     // Greedy: the first maximum, so ties break the same way every time.

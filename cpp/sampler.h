@@ -1,7 +1,8 @@
 // Turns one request's logits row into its next token.
 //
-// Order of operations (each optional): ban bad-word completions and (before min_tokens)
-// stop tokens -> repetition penalty (HF: divide positive / multiply negative logits of
+// Order of operations (each optional): keep only the tokens a grammar allows (structured
+// outputs) -> ban bad-word completions and (before min_tokens) stop tokens -> logit bias ->
+// repetition penalty (HF: divide positive / multiply negative logits of
 // every seen token) -> presence and frequency penalties (OpenAI: subtract, output tokens
 // only) -> greedy argmax when temperature == 0, else temperature, top-k, top-p, min-p and
 // a draw from the request's own generator. Logprobs are log-softmax of the raw logits.
@@ -21,17 +22,18 @@ struct SamplerState {
 };
 
 struct SampleResult {
-  TokenId token = 0;
+  TokenId token = -1;  // -1: no token was allowed (the grammar, bans and biases left none)
   float logprob = 0.0f;
   std::vector<TokenLogprob> top;
 };
 
 // `context` is prompt + output so far; `num_output` how many of its last tokens are output.
 // `banned_now` lists tokens that may not be produced at this step (stop tokens before
-// min_tokens). `logits` is modified in place.
+// min_tokens). `allowed`, when given, is a grammar's bitmask (guided_decoder.h). `logits` is
+// modified in place.
 SampleResult sample_token(float* logits, int vocab_size, const SamplingParams& params,
                           const std::vector<TokenId>& context, int num_output,
                           const std::vector<std::vector<TokenId>>& bad_words, const std::vector<TokenId>& banned_now,
-                          SamplerState& state);
+                          const int32_t* allowed, SamplerState& state);
 
 }  // namespace precast

@@ -102,6 +102,8 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, **defaults: Any) ->
         elif kind.startswith("list["):
             item = int if kind == "list[int]" else str
             parser.add_argument(flag, action="append", type=item, default=argparse.SUPPRESS, help=f"{k.help} (repeatable)")
+        elif kind in ("str", "dict | str"):  # text: a regex, a grammar, a JSON schema's text
+            parser.add_argument(flag, type=str, default=argparse.SUPPRESS, help=k.help)
         else:
             shown = f"the engine's, else {default}" if f.name in ENGINE_DEFAULTED_FIELDS else str(default)
             parser.add_argument(flag, type=int if kind == "int" else float, default=argparse.SUPPRESS, help=f"{k.help} (default: {shown})")

@@ -27,6 +27,7 @@ from precast.engine.directory import Engine, load_engine
 from precast.errors import PrecastError
 from precast.runtime.cpu_backend import default_num_threads, make_cpu_runner
 from precast.runtime.detokenizer import IncrementalDetokenizer
+from precast.runtime.guided import GuidedDecoding
 from precast.runtime.sampling_params import SamplingParams, engine_defaults
 from precast.runtime.tensorrt.runner import make_tensorrt_runner
 from precast.runtime.tokenizer import Tokenizer
@@ -72,8 +73,11 @@ def total_ram_bytes() -> int:
 class _Tracker:
     """Turns one request's raw responses into RequestOutputs (text, stop strings)."""
 
-    def __init__(self, core: _Core, request_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None):
+    def __init__(
+        self, core: _Core, request_id: int, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None, guide_id: int
+    ):
         self.core = core  # not the LLM: a request in flight must not keep a dropped LLM alive
+        self.guide_id = guide_id  # its grammar, freed when the request ends (0: none)
         self.out = RequestOutput(request_id, prompt_ids)
         self.detok = (
             IncrementalDetokenizer(tokenizer, prompt_ids, params.stop, params.skip_special_tokens) if tokenizer is not None else None
@@ -107,6 +111,8 @@ class _Tracker:
                     self.core.executor.cancel(o.request_id)
                 o.finish_reason = "stop"
             o.text = self.detok.text
+        if o.finished and self.guide_id:
+            self.core.guided.remove(self.guide_id)
         return RequestOutput(**{k: (list(v) if isinstance(v, list) else v) for k, v in o.__dict__.items()})
 
 
@@ -120,9 +126,10 @@ class _Core:
     which unwinds through C++ and aborts the process ("terminate called without an active exception").
     """
 
-    def __init__(self, executor: Any, eos_token_ids: list[int]):
+    def __init__(self, executor: Any, eos_token_ids: list[int], guided: GuidedDecoding):
         self.executor = executor
         self.eos_token_ids = eos_token_ids
+        self.guided = guided
         self.lock = threading.Lock()
         self.sinks: dict[int, Callable[[Any], None]] = {}
         self.closed = False
@@ -187,13 +194,16 @@ class LLM:
         config.prefix_reuse = prefix_reuse
         config.eos_token_ids = self.eos_token_ids
         config.kv_cache_bytes = kv_cache_memory if kv_cache_memory is not None else self._default_kv_bytes(config)
+        # Structured outputs: grammars by guide id; llguidance's tokenizer is built at the first guided request.
+        tokenizer_file = self.engine.tokenizer_path if self.tokenizer is not None else None
+        self._guided = GuidedDecoding(tokenizer_file, self._runner.vocab_size(), self.eos_token_ids)
         try:
-            self._executor = _C.Executor(config, self._runner)
+            self._executor = _C.Executor(config, self._runner, self._guided)
         except ValueError as e:
             raise PrecastError(str(e)) from e
         self.max_seq_len = limits.max_seq_len
         self._limits = limits
-        self._core = _Core(self._executor, self.eos_token_ids)
+        self._core = _Core(self._executor, self.eos_token_ids, self._guided)
         self._finalizer = weakref.finalize(self, self._core.close)  # on shutdown(), garbage collection or exit
 
     def _default_kv_bytes(self, config: Any) -> int:
@@ -229,6 +239,8 @@ class LLM:
         return list(prompt)
 
     def _request(self, prompt_ids: list[int], params: SamplingParams, streaming: bool) -> Any:
+        """The C++ request; its grammar (if the params name an output format) is registered last, so a
+        request refused here leaves none behind."""
         params.validate()
         bad_words: set[tuple[int, ...]] = set()
         if params.bad_words:
@@ -237,7 +249,11 @@ class LLM:
             for w in params.bad_words:  # the word alone and after a space tokenize differently
                 for variant in (w, " " + w.lstrip()):
                     bad_words.add(tuple(self.tokenizer.encode(variant, add_special_tokens=False)))
-        return params.to_request(prompt_ids, streaming, [list(w) for w in bad_words if w])
+        req = params.to_request(prompt_ids, streaming, [list(w) for w in bad_words if w])
+        guide = params.guide()
+        if guide is not None:
+            req.guide_id = self._guided.add(*guide)
+        return req
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams, streaming: bool, sink_for: Callable[[_Tracker], Callable[[Any], None]]
@@ -251,8 +267,9 @@ class LLM:
             try:
                 request_id = self._executor.enqueue(req)
             except (ValueError, RuntimeError) as e:
+                self._guided.remove(req.guide_id)
                 raise PrecastError(str(e)) from e
-            tracker = _Tracker(core, request_id, prompt_ids, params, self.tokenizer)
+            tracker = _Tracker(core, request_id, prompt_ids, params, self.tokenizer, req.guide_id)
             core.sinks[request_id] = sink_for(tracker)
         return tracker
 

@@ -64,6 +64,17 @@ class SamplingParams:
     )
     skip_special_tokens: bool = knob(True, help="leave special tokens out of the text", cli=False)
     priority: int = knob(0, help="higher first among waiting requests", cli=False)
+    logit_bias: dict[int, float] | None = knob(
+        None, help="token id -> a number added to its logit before sampling (-100 bans it)", ge=-100, le=100, openai=False, cli=False
+    )
+    # Structured outputs (runtime/guided.py): at most one of these; the output then follows it token by token.
+    json_schema: dict | str | None = knob(
+        None, help="the output is JSON valid against this schema (a dict, or its JSON text)", openai=False
+    )
+    json_object: bool = knob(False, help="the output is one JSON object", openai=False)
+    regex: str | None = knob(None, help="the output matches this regular expression", openai=False)
+    grammar: str | None = knob(None, help="the output follows this Lark (or GBNF) grammar", openai=False)
+    choice: list[str] | None = knob(None, help="the output is exactly one of these strings", openai=False)
 
     def validate(self) -> None:
         for f, k in knobs().items():
@@ -72,6 +83,15 @@ class SamplingParams:
                 raise PrecastError(f"invalid sampling parameter: {f.name} must be {problem}, got {getattr(self, f.name)!r}")
         if self.min_tokens > self.max_tokens:
             raise PrecastError(f"invalid sampling parameter: min_tokens must be between 0 and max_tokens, got {self.min_tokens!r}")
+        guides = [name for name in GUIDE_FIELDS if getattr(self, name) not in (None, False)]
+        if len(guides) > 1:
+            raise PrecastError(f"invalid sampling parameter: give at most one output format, got {' and '.join(guides)}")
+        if guides and self.ignore_eos:
+            raise PrecastError("invalid sampling parameter: ignore_eos cannot be combined with an output format (it ends at eos)")
+
+    def guide(self) -> tuple[str, Any] | None:
+        """The output format as (field name, value), or None for free text."""
+        return next(((name, getattr(self, name)) for name in GUIDE_FIELDS if getattr(self, name) not in (None, False)), None)
 
     def to_request(self, prompt_ids: list[int], streaming: bool, bad_word_ids: list[list[int]]) -> Any:
         """The C++ request (validated first); `bad_word_ids`: bad_words as token sequences."""
@@ -95,9 +115,12 @@ class SamplingParams:
         s.frequency_penalty = self.frequency_penalty
         s.seed = self.seed
         s.top_logprobs = -1 if self.logprobs is None else self.logprobs
+        s.logit_bias = sorted((self.logit_bias or {}).items())
         req.sampling = s
         return req
 
+
+GUIDE_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 # generation_config.json's names for SamplingParams fields (the engine's `generation`, builder/build.py)
 _HF_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -121,7 +144,8 @@ def knobs() -> dict[dataclasses.Field, Knob]:
 
 
 def field_type(f: dataclasses.Field) -> str:
-    """ "int" | "float" | "bool" | "list[str]" | "list[int]", optional ones without "| None"."""
+    """ "int" | "float" | "bool" | "str" | "list[str]" | "list[int]" | "dict[int, float]" | "dict | str",
+    optional ones without "| None"."""
     return str(f.type).replace(" | None", "")
 
 
@@ -129,12 +153,24 @@ def _problem(f: dataclasses.Field, value: Any, k: Knob) -> str | None:
     kind = field_type(f)
     if value is None and f.default is None:
         return None
+    if kind == "str":
+        return None if isinstance(value, str) and value else "a non-empty string"
+    if kind == "dict | str":
+        return None if isinstance(value, dict | str) and value != "" else "a JSON object or its text"
+    if kind == "dict[int, float]":
+        ok = isinstance(value, dict) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        ok = ok and all(_out_of_bounds(v, "float", k) is None for v in value.values())
+        return None if ok else f"a map of token ids to numbers {bounds_text(k)}"
     if kind.startswith("list["):
         item = str if kind == "list[str]" else int
         ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) and (item is int or v) for v in value)
         return None if ok else ("a list of non-empty strings" if item is str else "a list of integers")
     if kind == "bool":
         return None if isinstance(value, bool) else "true or false"
+    return _out_of_bounds(value, kind, k)
+
+
+def _out_of_bounds(value: Any, kind: str, k: Knob) -> str | None:
     numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind == "float" or isinstance(value, int))
     inside = numeric and not (isinstance(value, float) and math.isnan(value))
     inside = inside and (k.ge is None or value >= k.ge) and (k.gt is None or value > k.gt)

@@ -81,3 +81,44 @@ def test_truncation_beyond_the_first_sorted_prefix():
     logits = np.log(np.array([0.4, 0.3, 0.19, 0.11]))
     for s in range(100):  # min_p 0.5: only tokens at least half as likely as the best (0.4, 0.3)
         assert sample(logits, params(temperature=1.0, min_p=0.5), seed=s)[0] in (0, 1)
+
+
+def bitmask(vocab: int, allowed) -> np.ndarray:
+    words = np.zeros((vocab + 31) // 32, np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32)
+
+
+def test_grammar_mask_keeps_only_allowed_tokens():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal(100)
+    allowed = [3, 40, 97]
+    greedy = _C.sample_token(np.asarray(logits, np.float32), params(temperature=0), [], 0, [], [], 0, bitmask(100, allowed))[0]
+    assert greedy == allowed[int(np.argmax(logits[allowed]))]
+    draws = {
+        _C.sample_token(np.asarray(logits, np.float32), params(temperature=2.0), [], 0, [], [], s, bitmask(100, allowed))[0]
+        for s in range(200)
+    }
+    assert draws == set(allowed)
+    # logprobs stay those of the raw distribution (as with bad words and penalties)
+    token, logprob, _ = _C.sample_token(
+        np.asarray(logits, np.float32), params(temperature=0, top_logprobs=0), [], 0, [], [], 0, bitmask(100, allowed)
+    )
+    raw = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert abs(logprob - raw[token]) < 1e-5
+
+
+def test_nothing_allowed_returns_no_token():
+    logits = np.zeros(64, np.float32)
+    assert _C.sample_token(logits, params(temperature=0), [], 0, [], [], 0, bitmask(64, []))[0] == -1
+    # the mask allows only a token that a ban removes
+    assert _C.sample_token(logits, params(temperature=0.7), [], 0, [], [5], 0, bitmask(64, [5]))[0] == -1
+
+
+def test_logit_bias_bans_and_forces():
+    logits = np.array([0.0, 5.0, 1.0, 2.0], np.float32)
+    assert sample(logits, params(temperature=0, logit_bias=[(1, -100.0)]))[0] == 3
+    assert sample(logits, params(temperature=0, logit_bias=[(2, 100.0)]))[0] == 2
+    for s in range(50):
+        assert sample(logits, params(temperature=1.0, logit_bias=[(0, 100.0)]), seed=s)[0] == 0
