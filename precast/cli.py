@@ -156,6 +156,7 @@ def _serve(args: argparse.Namespace) -> None:
         num_threads=args.threads,
         log_level=args.log_level,
         backend=args.backend,
+        chat_template=args.chat_template,
     )
 
 
@@ -307,6 +308,7 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"on SIGTERM, seconds requests in flight may run on before they end with an error (default {DEFAULT_DRAIN_TIMEOUT:g})",
     )  # fmt: skip
     v.add_argument("--max-concurrency", type=int, help="HTTP requests generating at once; more wait (default: no limit)")
+    v.add_argument("--chat-template", help="a Jinja chat template file used instead of the engine's (e.g. one that renders tools)")
     v.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB")
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     _add_backend(v)

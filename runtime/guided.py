@@ -83,6 +83,15 @@ class GuidedDecoding(_C.GuidedDecoder):
         with self._lock:
             self._matchers.pop(guide_id, None)
 
+    def grammar_literal(self, text: str) -> str:
+        """`text` as a Lark literal for grammars given here: `<[token id]>` when it is one special token (such
+        as Qwen's <tool_call>; a quoted string would never match it), else a quoted string."""
+        tokenizer = self._llg_tokenizer()
+        ids = tokenizer.tokenize_str(text, parse_special=True)
+        if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
     @property
     def num_guides(self) -> int:
         with self._lock:
@@ -98,7 +107,8 @@ class GuidedDecoding(_C.GuidedDecoder):
             if cached is not None:
                 self._compiled.move_to_end(key)
                 return cached
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), text, log_level=0)
+        limits = llguidance.LLParserLimits(verbose_errors=False)  # messages go to clients: no grammar dumps
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), text, log_level=0, limits=limits)
         if matcher.is_error():
             raise PrecastError(f"the {kind} cannot be used: {matcher.get_error()}")
         with self._lock:

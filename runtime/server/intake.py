@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from precast.runtime.server.protocol import IGNORED_FIELDS
 from precast.runtime.server.translate import OpenAIError
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -65,6 +66,14 @@ def parse_body(model: type[Body], raw: bytes, precheck: Callable[[dict[str, Any]
 def validation_error(errors: list[Any]) -> OpenAIError:
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if first.get("type") == "extra_forbidden":
+        return OpenAIError(
+            400,
+            f"unsupported field {where!r}: precast does not implement it, so it refuses the request rather than ignore it; "
+            f"remove the field (accepted and ignored on purpose: {', '.join(IGNORED_FIELDS)})",
+            param=where,
+            code="unsupported_field",
+        )
     return OpenAIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
 
 

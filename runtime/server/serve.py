@@ -45,9 +45,16 @@ def serve(
     num_threads: int | None = None,
     log_level: str = "info",
     backend: str = "cpu",
+    chat_template: str | Path | None = None,
 ) -> None:
     name = model_name or Path(engine).resolve().name
-    with LLM(engine, backend=backend, kv_cache_memory=kv_cache_memory, num_threads=num_threads) as llm:
+    template = None
+    if chat_template is not None:
+        try:
+            template = Path(chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PrecastError(f"cannot read --chat-template {chat_template}: {e}") from e
+    with LLM(engine, backend=backend, kv_cache_memory=kv_cache_memory, num_threads=num_threads, chat_template=template) as llm:
         app = make_app(llm, name, api_key=api_key, max_concurrency=max_concurrency, max_request_bytes=max_request_bytes)
         print(f"precast serve: {name} on http://{host}:{port}/v1 (metrics at /metrics)", flush=True)
         print(f"precast serve: {llm.describe_resources()}", flush=True)

@@ -132,7 +132,7 @@ class Generation:
                 async for i, out in merged([self.run_choice(j, arrival) for j in jobs], self._stopping()):
                     c = choice(i, out, seen[i])
                     seen[i] = len(out.token_ids)
-                    if out.delta or out.finished or c.get("logprobs"):
+                    if c.get("text") or c.get("delta") or out.finished or c.get("logprobs"):  # text held back: no chunk
                         yield sse(base | {"choices": [c]})
                     if out.finished:
                         finals[i] = out

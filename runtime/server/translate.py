@@ -5,6 +5,7 @@ Every check that turns a bad request into a 400 lives here, before anything is e
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -12,7 +13,14 @@ from fastapi.responses import JSONResponse
 from precast.errors import PrecastError
 from precast.runtime.llm import LLM, RequestOutput
 from precast.runtime.sampling_params import SamplingParams, engine_defaults
-from precast.runtime.server.protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from precast.runtime.server.protocol import (
+    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from precast.runtime.server.tools import ToolFormat, detect_format, template_messages
 
 Job = tuple[list[int], SamplingParams]  # one choice: its prompt ids and how it is sampled
 
@@ -97,13 +105,44 @@ class Translator:
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
         for p in prompts:
             self.check_length(p, max_tokens, "prompt")
-        jobs = [(p, body.sampling(max_tokens, body.logprobs, i, self.defaults)) for p in prompts for i in range(body.n)]
+        jobs = [(p, self.sampling(body, max_tokens, body.logprobs, i)) for p in prompts for i in range(body.n)]
         self.check_params(jobs)
         return jobs
 
-    def chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
+    def sampling(
+        self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, index: int
+    ) -> SamplingParams:
         try:
-            prompt = self.llm.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+            return body.sampling(max_tokens, logprobs, index, self.defaults)
+        except ValueError as e:  # logit_bias keys, conflicting output formats
+            raise OpenAIError(400, str(e)) from e
+
+    def tool_format(self, body: ChatCompletionRequest) -> ToolFormat | None:
+        """The format this request's tool calls are written and parsed in; None when no tool may be called."""
+        choice = body.tool_choice or ("auto" if body.tools else "none")
+        if not body.tools:
+            if choice != "none":
+                raise OpenAIError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        if choice == "none":
+            return None
+        fmt = detect_format(self.llm.tokenizer.chat_template if self.llm.tokenizer else None)
+        if fmt is None:
+            raise OpenAIError(
+                400,
+                "this model's chat template renders no tools (none of the Hermes/Qwen, Llama 3 or Mistral tool formats); "
+                "serve it with `precast serve --chat-template FILE` naming a template that does",
+                param="tools",
+            )
+        return fmt
+
+    def chat_jobs(self, body: ChatCompletionRequest) -> list[Job]:
+        fmt = self.tool_format(body)
+        # tools are rendered whenever given (with tool_choice "none" too, as vLLM does): the model keeps the context
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        try:
+            messages = template_messages([m.for_template() for m in body.messages])
+            prompt = self.llm.apply_chat_template(messages, tools=tools)
         except PrecastError as e:
             raise OpenAIError(400, str(e), param="messages") from e
         except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
@@ -113,16 +152,70 @@ class Translator:
         top = body.top_logprobs if body.top_logprobs is not None else (0 if body.logprobs else None)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        jobs = [(prompt, body.sampling(max_tokens, top, i, self.defaults)) for i in range(body.n)]
+        jobs = [(prompt, self.sampling(body, max_tokens, top, i)) for i in range(body.n)]
+        if fmt is not None and tools:
+            jobs = [(p, self.tool_sampling(body, fmt, tools, params)) for p, params in jobs]
         self.check_params(jobs)
         return jobs
 
+    def tool_sampling(
+        self, body: ChatCompletionRequest, fmt: ToolFormat, tools: list[dict[str, Any]], params: SamplingParams
+    ) -> SamplingParams:
+        """`required` or a named function: the output is constrained to well-formed calls of those tools.
+        Special tokens stay in the text (Mistral's [TOOL_CALLS] is one)."""
+        choice = body.tool_choice
+        if choice in (None, "auto"):
+            return dataclasses.replace(params, skip_special_tokens=False)
+        if params.guide() is not None:
+            raise OpenAIError(
+                400, f"tool_choice {choice!r} cannot be combined with response_format or structured_outputs", param="tool_choice"
+            )
+        if choice != "required":
+            tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+            if not tools:
+                raise OpenAIError(
+                    400, f"tool_choice names function {choice.function.name!r}, which is not among the tools", param="tool_choice"
+                )
+        try:
+            # a named function is called once; `required` may call several unless parallel_tool_calls is false
+            parallel = choice == "required" and body.parallel_tool_calls is not False
+            grammar = fmt.grammar(tools, self.llm.grammar_literal, parallel)
+        except PrecastError as e:
+            raise OpenAIError(400, str(e), param="tools") from e
+        return dataclasses.replace(params, grammar=grammar, skip_special_tokens=False)
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give either prompt or messages", param="prompt")
+        try:
+            if body.messages is not None:
+                messages = template_messages([m.for_template() for m in body.messages])
+                return self.llm.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            return self.llm.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        except PrecastError as e:
+            raise OpenAIError(400, str(e)) from e
+
+    def detokenize(self, body: DetokenizeRequest) -> str:
+        vocab = self.llm.engine.config.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        if self.llm.tokenizer is None:
+            raise OpenAIError(400, "this engine has no tokenizer")
+        return self.llm.tokenizer.decode(body.tokens, skip_special_tokens=False)
+
     # ---- outputs -> response parts ---------------------------------------------------
     @staticmethod
-    def usage(outs: list[RequestOutput], jobs: list[Job]) -> dict[str, int]:
+    def usage(outs: list[RequestOutput], jobs: list[Job]) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p, _ in jobs)
         completion = sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+        cached = sum(o.num_cached_tokens for o in outs)  # prompt tokens served from the prefix cache
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     @staticmethod
     def finish_reason(out: RequestOutput) -> str | None:
@@ -131,16 +224,22 @@ class Translator:
     def token_text(self, token: int) -> str:
         return self.llm.tokenizer.decode([token], skip_special_tokens=False) if self.llm.tokenizer else str(token)
 
+    @staticmethod
+    def content_tokens(out: RequestOutput) -> int:
+        """How many of the output's tokens make its text: the eos or stop token that ended it does not."""
+        return len(out.token_ids) - int(out.ends_with_stop_token)
+
     def completion_logprobs(self, out: RequestOutput, start: int = 0) -> dict[str, Any]:
-        tokens = [self.token_text(t) for t in out.token_ids[start:]]
+        end = self.content_tokens(out)
+        tokens = [self.token_text(t) for t in out.token_ids[start:end]]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": out.logprobs[start:],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in top} for top in out.top_logprobs[start:]],
+            "token_logprobs": out.logprobs[start:end],
+            "top_logprobs": [{self.token_text(t): lp for t, lp in top} for top in out.top_logprobs[start:end]],
             "text_offset": offsets,
         }
 
@@ -149,10 +248,11 @@ class Translator:
             text = self.token_text(t)
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
+        end = self.content_tokens(out)
         return {
             "content": [
                 entry(t, lp) | {"top_logprobs": [entry(tt, tlp) for tt, tlp in top]}
-                for t, lp, top in zip(out.token_ids[start:], out.logprobs[start:], out.top_logprobs[start:])
+                for t, lp, top in zip(out.token_ids[start:end], out.logprobs[start:end], out.top_logprobs[start:end])
             ]
         }
 
@@ -160,10 +260,40 @@ class Translator:
         lp = self.completion_logprobs(out, start) if body.logprobs is not None else None
         return {"index": i, "text": out.delta if streaming else out.text, "logprobs": lp, "finish_reason": self.finish_reason(out)}
 
-    def chat_choice(self, body: ChatCompletionRequest, i: int, out: RequestOutput, start: int, streaming: bool) -> dict[str, Any]:
+    def chat_choice(
+        self, body: ChatCompletionRequest, i: int, out: RequestOutput, start: int, streaming: bool, calls: ToolCalls | None = None
+    ) -> dict[str, Any]:
+        """One choice of a chat response or chunk; `calls` (when tools may be called) turns tool-call text
+        into `tool_calls`, holding streamed text back from where a call may begin."""
         lp = self.chat_logprobs(out, start) if body.logprobs else None
+        content, tool_calls = calls.update(out) if calls else (out.delta if streaming else out.text, [])
+        finish = "tool_calls" if tool_calls and out.finish_reason == "stop" else self.finish_reason(out)
         if streaming:
-            delta = {"content": out.delta} if out.delta else {}
-            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": self.finish_reason(out)}
-        message = {"role": "assistant", "content": out.text}
-        return {"index": i, "message": message, "finish_reason": self.finish_reason(out), "logprobs": lp}
+            delta: dict[str, Any] = {"content": content} if content else {}
+            if tool_calls:
+                delta["tool_calls"] = [c | {"index": k} for k, c in enumerate(tool_calls)]
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": i, "message": message, "finish_reason": finish, "logprobs": lp}
+
+
+class ToolCalls:
+    """One choice's tool calls. Streaming, text goes out as content until it may be a call; from there it
+    is held back and parsed when the choice ends (calls, or the held text as content if it is none)."""
+
+    def __init__(self, fmt: ToolFormat, streaming: bool):
+        self.fmt, self.streaming, self.sent = fmt, streaming, 0
+
+    def update(self, out: RequestOutput) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content to send now, tool calls) for this output."""
+        if not out.finished:
+            if self.fmt.starts_call(out.text):
+                return None, []
+            content, self.sent = out.text[self.sent :], len(out.text)
+            return content, []
+        content, calls = self.fmt.parse(out.text)
+        if not self.streaming:
+            return content, calls
+        return (None if calls else out.text[self.sent :]), calls

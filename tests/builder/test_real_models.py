@@ -29,11 +29,6 @@ print("ok")
 """
 
 
-@pytest.fixture(scope="module")
-def qwen05_gguf() -> Path:
-    return packaged_model_path("qwen2.5-coder-0.5b-instruct")
-
-
 def _hf_state(gguf: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -77,13 +72,6 @@ def _check_coding_answer(engine: Path) -> str:
 
 def test_qwen05_tensors_match_transformers(qwen05_gguf):
     _check_tensors(qwen05_gguf, {"Q5_0", "Q8_0", "Q4_K", "Q6_K", "F32"})
-
-
-@pytest.fixture(scope="module")
-def qwen05_engine(qwen05_gguf, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qwen05") / "bf16"
-    build_engine(BuildOptions(qwen05_gguf, out, dtype="bfloat16", max_seq_len=1024, max_batch_size=8, progress=False))
-    return out
 
 
 def test_qwen05_tokenizer_matches_transformers(qwen05_engine, qwen05_gguf):
