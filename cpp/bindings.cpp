@@ -36,6 +36,7 @@ class PyModelRunner : public ModelRunner, public py::trampoline_self_life_suppor
     PYBIND11_OVERRIDE_PURE(void, ModelRunner, configure_kv, num_blocks, tokens_per_block);
   }
   bool slot_mode() const override { PYBIND11_OVERRIDE(bool, ModelRunner, slot_mode); }
+  bool supports_all_logits() const override { PYBIND11_OVERRIDE(bool, ModelRunner, supports_all_logits); }
   std::vector<float> forward(const Batch& batch) override {
     py::gil_scoped_acquire gil;
     py::function override = py::get_override(static_cast<const ModelRunner*>(this), "forward");
@@ -63,6 +64,16 @@ class PyGuidedDecoder : public GuidedDecoder, public py::trampoline_self_life_su
     PYBIND11_OVERRIDE_PURE(void, GuidedDecoder, advance, guide_ids, tokens);
   }
 };
+
+// Top log-probabilities as Python (token, logprob) tuples, one list per position.
+std::vector<std::vector<std::pair<TokenId, float>>> as_pairs(const std::vector<std::vector<TokenLogprob>>& positions) {
+  std::vector<std::vector<std::pair<TokenId, float>>> out;
+  for (const auto& step : positions) {
+    out.emplace_back();
+    for (const auto& t : step) out.back().emplace_back(t.token, t.logprob);
+  }
+  return out;
+}
 
 template <typename T>
 py::array_t<T> to_numpy(const std::vector<T>& v) {
@@ -129,7 +140,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("streaming", &Request::streaming)
       .def_readwrite("priority", &Request::priority)
       .def_readwrite("bad_words", &Request::bad_words)
-      .def_readwrite("guide_id", &Request::guide_id);
+      .def_readwrite("guide_id", &Request::guide_id)
+      .def_readwrite("prompt_logprobs", &Request::prompt_logprobs);
 
   py::enum_<FinishReason>(m, "FinishReason")
       .value("NONE", FinishReason::kNone)
@@ -142,15 +154,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("request_id", &Response::request_id)
       .def_readonly("new_tokens", &Response::new_tokens)
       .def_readonly("logprobs", &Response::logprobs)
-      .def_property_readonly("top_logprobs",
-                             [](const Response& r) {
-                               std::vector<std::vector<std::pair<TokenId, float>>> out;
-                               for (const auto& step : r.top_logprobs) {
-                                 out.emplace_back();
-                                 for (const auto& t : step) out.back().emplace_back(t.token, t.logprob);
-                               }
-                               return out;
-                             })
+      .def_property_readonly("top_logprobs", [](const Response& r) { return as_pairs(r.top_logprobs); })
+      .def_readonly("prompt_logprobs", &Response::prompt_logprobs)
+      .def_property_readonly("prompt_top_logprobs", [](const Response& r) { return as_pairs(r.prompt_top_logprobs); })
       .def_readonly("finish_reason", &Response::finish_reason)
       .def_readonly("error", &Response::error)
       .def_readonly("num_prompt_tokens", &Response::num_prompt_tokens)
@@ -197,13 +203,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("num_tokens", &BatchSequence::num_tokens)
       .def_readonly("token_offset", &BatchSequence::token_offset)
       .def_readonly("sample", &BatchSequence::sample)
+      .def_readonly("all_logits", &BatchSequence::all_logits)
       .def_readonly("block_table", &BatchSequence::block_table);
 
   py::class_<Batch>(m, "Batch")
       .def_property_readonly("token_ids", [](const Batch& b) { return to_numpy(b.token_ids); })
       .def_property_readonly("positions", [](const Batch& b) { return to_numpy(b.positions); })
       .def_readonly("sequences", &Batch::sequences)
-      .def("num_sampling", &Batch::num_sampling);
+      .def("num_sampling", &Batch::num_sampling)
+      .def("num_logit_rows", &Batch::num_logit_rows);
 
   py::class_<ModelRunner, PyModelRunner, py::smart_holder>(m, "ModelRunner")
       .def(py::init<>())
@@ -211,6 +219,7 @@ PYBIND11_MODULE(_C, m) {
       .def("kv_block_bytes", &ModelRunner::kv_block_bytes)
       .def("configure_kv", &ModelRunner::configure_kv)
       .def("slot_mode", &ModelRunner::slot_mode)
+      .def("supports_all_logits", &ModelRunner::supports_all_logits)
       .def("forward", [](ModelRunner& r, const Batch& b) {
         std::vector<float> logits;
         {
@@ -518,7 +527,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<KvCacheManager>(m, "KvCacheManager")
       .def(py::init<int, int, bool>(), py::arg("num_blocks"), py::arg("tokens_per_block"),
            py::arg("prefix_reuse") = true)
-      .def("match_prefix", &KvCacheManager::match_prefix)
+      .def("match_prefix", &KvCacheManager::match_prefix, py::arg("id"), py::arg("tokens"), py::arg("reuse") = true)
       .def("count_prefix_lookup", &KvCacheManager::count_prefix_lookup)
       .def("allocate", &KvCacheManager::allocate)
       .def("commit", &KvCacheManager::commit)

@@ -259,11 +259,12 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvP
   run_layers(batch, kv);
 
   // Final norm and LM head only for the last token of each sampling sequence (every
-  // token of them with all_logits; every token's norm when observed).
+  // token of them with all_logits or the sequence's own all_logits; every token's norm when observed).
   std::vector<float> rows;
   for (const BatchSequence& s : batch.sequences) {
-    if (!s.sample && !observer_) continue;
-    const int first = all_logits || observer_ ? s.token_offset : s.token_offset + s.num_tokens - 1;
+    if (!s.sample && !s.all_logits && !observer_) continue;
+    const bool every = all_logits || s.all_logits || observer_;
+    const int first = every ? s.token_offset : s.token_offset + s.num_tokens - 1;
     rows.insert(rows.end(), x_.data() + size_t(first) * H, x_.data() + size_t(s.token_offset + s.num_tokens) * H);
   }
   const int S = int(rows.size()) / H;

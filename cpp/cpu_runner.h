@@ -77,6 +77,7 @@ class CpuRunner : public ModelRunner {
   int64_t kv_block_bytes(int tokens_per_block) const override;
   void configure_kv(int num_blocks, int tokens_per_block) override;
   std::vector<float> forward(const Batch& batch) override;
+  bool supports_all_logits() const override { return true; }
   const CpuModelConfig& config() const { return config_; }
 
   // Run `tokens` as one sequence from position 0 in the evaluation KV pool (grown as needed;

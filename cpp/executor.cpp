@@ -70,6 +70,11 @@ void Executor::validate(const Request& r) const {
     if (!std::isfinite(bias)) fail("logit_bias values must be finite numbers");
   }
   if (r.guide_id != 0 && !guided_) fail("this executor has no guided decoder for structured outputs");
+  if (r.prompt_logprobs > 20) fail("prompt_logprobs must be at most 20");
+  if (r.prompt_logprobs >= 0 && !runner_->supports_all_logits())
+    fail(
+        "prompt log-probabilities need every prompt position's logits, which this backend does not return (use the "
+        "CPU backend)");
   for (TokenId t : r.stop_token_ids)
     if (t < 0 || t >= vocab) fail("stop token id " + std::to_string(t) + " is outside the vocabulary");
   for (const auto& w : r.bad_words)
@@ -305,6 +310,7 @@ Batch Executor::pack(const std::vector<ScheduledRequest>& scheduled) const {
     seq.num_tokens = s.num_tokens;
     seq.token_offset = int(batch.token_ids.size());
     seq.sample = s.sample;
+    seq.all_logits = needs_prompt_logits(r);
     seq.block_table = kv_->block_table(r.id);
     for (int i = 0; i < s.num_tokens; ++i) {
       batch.token_ids.push_back(r.tokens[r.num_computed + i]);
@@ -318,7 +324,7 @@ Batch Executor::pack(const std::vector<ScheduledRequest>& scheduled) const {
 std::vector<float> Executor::forward(const Batch& batch, std::string& error) {
   try {
     std::vector<float> logits = runner_->forward(batch);
-    PRECAST_CHECK(logits.size() == size_t(batch.num_sampling()) * runner_->vocab_size(),
+    PRECAST_CHECK(logits.size() == size_t(batch.num_logit_rows()) * runner_->vocab_size(),
                   "runner returned " << logits.size() << " logits");
     return logits;
   } catch (const std::exception& e) {
@@ -349,10 +355,13 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
       finish(r, FinishReason::kError, resp, error);
     } else {
       prompt_tokens += std::max(0, std::min(r.num_prompt, r.num_computed + s.num_tokens) - r.num_computed);
+      const bool all_logits = needs_prompt_logits(r);  // as pack() saw it
+      if (all_logits) record_prompt_logprobs(r, logits.data() + int64_t(row) * vocab, s.num_tokens, resp);
+      row += all_logits ? s.num_tokens : int(s.sample);
       r.num_computed += s.num_tokens;
       kv_->commit(r.id, r.tokens, r.num_computed);
       if (!s.sample) continue;
-      float* row_logits = logits.data() + int64_t(row++) * vocab;
+      float* row_logits = logits.data() + int64_t(row - 1) * vocab;
       if (!all_finite(row_logits, vocab)) {
         finish(r, FinishReason::kError, resp,
                "the model produced non-finite logits (NaN or Inf) at position " + std::to_string(r.num_computed) +
@@ -386,6 +395,28 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
     refresh_stats_locked();
   }
   emit(std::move(responses));
+}
+
+// Whether this step must return logits for every token of the request's chunk: prompt positions whose
+// next-token log-probability is still to be reported.
+bool Executor::needs_prompt_logits(const RequestState& r) const {
+  const int last = r.num_prompt - 1;  // the last prompt position predicts an output token, not a prompt token
+  return r.request.prompt_logprobs >= 0 && r.num_prompt_logprobs < last && r.num_computed < last;
+}
+
+// Rows [0, num_tokens) of `rows` are positions num_computed.. of the request: row p scores prompt token p + 1.
+// Positions reported before a preemption are not reported again when they are recomputed.
+void Executor::record_prompt_logprobs(RequestState& r, const float* rows, int num_tokens, Response& resp) {
+  const int vocab = runner_->vocab_size();
+  for (int k = 0; k < num_tokens; ++k) {
+    const int p = r.num_computed + k;
+    if (p + 1 >= r.num_prompt) break;
+    if (p < r.num_prompt_logprobs) continue;
+    SampleResult s = score_token(rows + int64_t(k) * vocab, vocab, r.tokens[p + 1], r.request.prompt_logprobs);
+    resp.prompt_logprobs.push_back(s.logprob);
+    resp.prompt_top_logprobs.push_back(std::move(s.top));
+    r.num_prompt_logprobs = p + 1;
+  }
 }
 
 // One call for the masks of every guided request that samples in this step (none: no call).

@@ -88,6 +88,8 @@ class Executor {
   Batch pack(const std::vector<ScheduledRequest>& scheduled) const;
   std::vector<float> forward(const Batch& batch, std::string& error);
   void update(const std::vector<ScheduledRequest>& scheduled, std::vector<float>& logits, const std::string& error);
+  bool needs_prompt_logits(const RequestState& r) const;
+  void record_prompt_logprobs(RequestState& r, const float* rows, int num_tokens, Response& resp);
   StepMasks guide_masks(const std::vector<ScheduledRequest>& scheduled);
   void advance_guides(const StepMasks& masks, const std::vector<TokenId>& sampled);
   void sample_into(RequestState& r, float* logits, int vocab, const int32_t* allowed, Response& resp);

@@ -27,10 +27,10 @@ uint64_t KvCacheManager::chain_hash(uint64_t parent_hash, const TokenId* tokens,
   return h;
 }
 
-int KvCacheManager::match_prefix(RequestId id, const std::vector<TokenId>& tokens) {
+int KvCacheManager::match_prefix(RequestId id, const std::vector<TokenId>& tokens, bool reuse) {
   PRECAST_CHECK(!tables_.count(id), "request " << id << " already has blocks");
   Table& table = tables_[id];
-  if (!prefix_reuse_ || tokens.empty()) return 0;
+  if (!prefix_reuse_ || !reuse || tokens.empty()) return 0;
   const int B = tokens_per_block_;
   const int max_blocks = (int(tokens.size()) - 1) / B;  // leave the last token to compute
   uint64_t parent_hash = 0;

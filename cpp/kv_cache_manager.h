@@ -40,8 +40,9 @@ class KvCacheManager {
   // Attach the cached blocks that hold a prefix of `tokens` to the (new) request and return
   // how many tokens they cover. At least one token is always left to compute, because the
   // model must produce logits for the last prompt token. Counts nothing in the statistics:
-  // a request may be matched again after a failed admission or a preemption.
-  int match_prefix(RequestId id, const std::vector<TokenId>& tokens);
+  // a request may be matched again after a failed admission or a preemption. With `reuse`
+  // false nothing is attached (a request that needs every prompt position computed).
+  int match_prefix(RequestId id, const std::vector<TokenId>& tokens, bool reuse = true);
 
   // Count one admitted request's prompt in the prefix-cache statistics: `num_prompt_tokens`
   // looked up, `num_cached_tokens` of them served from the cache (match_prefix's result).

@@ -36,6 +36,7 @@ struct Request {
   int priority = 0;                             // higher first among waiting requests; FCFS within a priority
   std::vector<std::vector<TokenId>> bad_words;  // token sequences never generated
   uint64_t guide_id = 0;                        // nonzero: a grammar of the executor's GuidedDecoder
+  int prompt_logprobs = -1;  // -1: none; 0: each prompt token's log-probability; n: also the n best at each
 };
 
 enum class FinishReason { kNone, kLength, kStop, kCancelled, kError };
@@ -50,6 +51,9 @@ struct Response {
   std::vector<TokenId> new_tokens;
   std::vector<float> logprobs;                          // one per new token, when asked
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // one list per new token, when asked
+  // Prompt tokens 1.. in order, as computed (prompt_logprobs); the first token has none.
+  std::vector<float> prompt_logprobs;
+  std::vector<std::vector<TokenLogprob>> prompt_top_logprobs;
   FinishReason finish_reason = FinishReason::kNone;
   std::string error;  // set with kError
   int num_prompt_tokens = 0;

@@ -136,7 +136,29 @@ TokenId draw(const float* logits, int vocab, const SamplingParams& p, SamplerSta
   return order[keep - 1];
 }
 
+// `token` with its log-probability and the `top` best of `logprobs` (ties: lower id first).
+SampleResult scored(const std::vector<float>& logprobs, TokenId token, int top) {
+  SampleResult result;
+  result.token = token;
+  result.logprob = logprobs[token];
+  const int vocab = int(logprobs.size());
+  const int n = std::max(0, std::min(top, vocab));
+  if (n == 0) return result;
+  std::vector<int> idx(vocab);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + n, idx.end(),
+                    [&](int a, int b) { return logprobs[a] > logprobs[b] || (logprobs[a] == logprobs[b] && a < b); });
+  for (int i = 0; i < n; ++i) result.top.push_back({idx[i], logprobs[idx[i]]});
+  return result;
+}
+
 }  // namespace
+
+SampleResult score_token(const float* logits, int vocab, TokenId token, int top) {
+  std::vector<float> logprobs;
+  log_softmax(logits, vocab, logprobs);
+  return scored(logprobs, token, top);
+}
 
 SampleResult sample_token(float* logits, int vocab, const SamplingParams& p, const std::vector<TokenId>& context,
                           int num_output, const std::vector<std::vector<TokenId>>& bad_words,
@@ -162,13 +184,8 @@ SampleResult sample_token(float* logits, int vocab, const SamplingParams& p, con
   }
 
   if (p.top_logprobs >= 0) {
-    result.logprob = logprobs[result.token];
-    const int n = std::min(p.top_logprobs, vocab);
-    std::vector<int> idx(vocab);
-    std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + n, idx.end(),
-                      [&](int a, int b) { return logprobs[a] > logprobs[b] || (logprobs[a] == logprobs[b] && a < b); });
-    for (int i = 0; i < n; ++i) result.top.push_back({idx[i], logprobs[idx[i]]});
+    const TokenId token = result.token;
+    result = scored(logprobs, token, p.top_logprobs);
   }
   return result;
 }

@@ -27,6 +27,10 @@ struct SampleResult {
   std::vector<TokenLogprob> top;
 };
 
+// The log-probability of `token` under raw `logits` (log-softmax), and the `top` most likely tokens
+// (none when top <= 0): what logprobs report for sampled and for prompt tokens.
+SampleResult score_token(const float* logits, int vocab_size, TokenId token, int top);
+
 // `context` is prompt + output so far; `num_output` how many of its last tokens are output.
 // `banned_now` lists tokens that may not be produced at this step (stop tokens before
 // min_tokens). `allowed`, when given, is a grammar's bitmask (guided_decoder.h). `logits` is

@@ -56,7 +56,8 @@ std::vector<ScheduledRequest> Scheduler::schedule() {
   // Stage 2: admit waiting requests while everything fits.
   while (!waiting_.empty() && budget > 0 && int(running_.size()) < config_.max_batch_size) {
     RequestState& r = *waiting_.front();
-    const int cached = kv_.match_prefix(r.id, r.tokens);
+    // Prompt log-probabilities need every prompt position computed: such a request reuses no prefix.
+    const int cached = kv_.match_prefix(r.id, r.tokens, /*reuse=*/r.request.prompt_logprobs < 0);
     int n = int(r.tokens.size()) - cached;
     if (n > budget && !config_.chunked_prefill) {
       kv_.free(r.id);

@@ -28,6 +28,7 @@ struct RequestState {
   int num_cached_prompt = 0;  // prompt tokens served by prefix reuse at first admission
   uint64_t arrival = 0;
   bool admitted_once = false;
+  int num_prompt_logprobs = 0;  // prompt positions whose next-token log-probability was reported
   SamplerState sampler;
   Response pending;  // output not yet handed to the client (all of it, for non-streaming requests)
   RequestState(RequestId id_, Request req, uint64_t arrival_, uint64_t seed)

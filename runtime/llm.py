@@ -58,6 +58,9 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     ends_with_stop_token: bool = False  # the last token is the eos or stop token that ended it (not in the text)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -96,6 +99,11 @@ class _Tracker:
         o.delta_token_ids = new
         o.logprobs += list(resp.logprobs)
         o.top_logprobs += [list(t) for t in resp.top_logprobs]
+        if resp.prompt_logprobs:
+            if not o.prompt_logprobs:
+                o.prompt_logprobs, o.prompt_top_logprobs = [None], [None]
+            o.prompt_logprobs += list(resp.prompt_logprobs)
+            o.prompt_top_logprobs += [list(t) for t in resp.prompt_top_logprobs]
         o.num_cached_tokens = max(o.num_cached_tokens, resp.num_cached_prompt_tokens)
         finished = resp.finished
         if finished:

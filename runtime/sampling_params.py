@@ -62,6 +62,9 @@ class SamplingParams:
     logprobs: int | None = knob(
         None, help="None: none; 0: the chosen token's; n: also the n most likely", ge=0, le=20, openai=False, cli=False
     )
+    prompt_logprobs: int | None = knob(
+        None, help="None: none; 0: each prompt token's log-probability; n: also the n most likely", ge=0, le=20, openai=False, cli=False
+    )
     skip_special_tokens: bool = knob(True, help="leave special tokens out of the text", cli=False)
     priority: int = knob(0, help="higher first among waiting requests", cli=False)
     logit_bias: dict[int, float] | None = knob(
@@ -115,6 +118,7 @@ class SamplingParams:
         s.frequency_penalty = self.frequency_penalty
         s.seed = self.seed
         s.top_logprobs = -1 if self.logprobs is None else self.logprobs
+        req.prompt_logprobs = -1 if self.prompt_logprobs is None else self.prompt_logprobs
         s.logit_bias = sorted((self.logit_bias or {}).items())
         req.sampling = s
         return req

@@ -151,7 +151,7 @@ def make_app(
         if not body.stream:
             outs = await generation.collect_all(request, jobs, arrival)
             choices = [translate.completion_choice(body, i, o, 0, streaming=False) for i, o in enumerate(outs)]
-            return base | {"choices": choices, "usage": translate.usage(outs, jobs)}
+            return base | {"choices": choices, "usage": translate.usage(outs, jobs, generated=body.max_tokens != 0)}
 
         def choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
             return translate.completion_choice(body, i, out, start, streaming=True)

@@ -74,7 +74,7 @@ class StructuredOutputs(_Strict):
 
 class _Body(_Strict):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (completions): the prompt scored, nothing generated
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None

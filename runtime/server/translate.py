@@ -91,8 +91,10 @@ class Translator:
                 raise OpenAIError(400, str(e)) from e
 
     def completion_jobs(self, body: CompletionRequest) -> list[Job]:
-        if body.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
+        if body.echo and body.stream:
+            raise OpenAIError(400, "echo is not supported with stream=true yet; send the request without streaming", param="echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise OpenAIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", param="max_tokens")
         raw = body.prompt
         if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
             raw = [raw]
@@ -102,10 +104,13 @@ class Translator:
             prompts = [self.llm.prompt_ids(p) for p in raw]
         except PrecastError as e:
             raise OpenAIError(400, str(e), param="prompt") from e
-        max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
+        # echo with max_tokens 0 generates one token that the response leaves out
+        max_tokens = 1 if body.max_tokens == 0 else (body.max_tokens or DEFAULT_MAX_TOKENS)
         for p in prompts:
             self.check_length(p, max_tokens, "prompt")
         jobs = [(p, self.sampling(body, max_tokens, body.logprobs, i)) for p in prompts for i in range(body.n)]
+        if body.echo and body.logprobs is not None:  # the prompt's tokens are scored too
+            jobs = [(p, dataclasses.replace(params, prompt_logprobs=body.logprobs)) for p, params in jobs]
         self.check_params(jobs)
         return jobs
 
@@ -206,9 +211,10 @@ class Translator:
 
     # ---- outputs -> response parts ---------------------------------------------------
     @staticmethod
-    def usage(outs: list[RequestOutput], jobs: list[Job]) -> dict[str, Any]:
+    def usage(outs: list[RequestOutput], jobs: list[Job], generated: bool = True) -> dict[str, Any]:
+        """`generated` false: the outputs' tokens are not shown (echo with max_tokens 0) and not counted."""
         prompt_tokens = sum(len(p) for p, _ in jobs)
-        completion = sum(len(o.token_ids) for o in outs)
+        completion = sum(len(o.token_ids) for o in outs) if generated else 0
         cached = sum(o.num_cached_tokens for o in outs)  # prompt tokens served from the prefix cache
         return {
             "prompt_tokens": prompt_tokens,
@@ -257,8 +263,36 @@ class Translator:
         }
 
     def completion_choice(self, body: CompletionRequest, i: int, out: RequestOutput, start: int, streaming: bool) -> dict[str, Any]:
+        if body.echo:
+            return self.echo_choice(body, i, out)
         lp = self.completion_logprobs(out, start) if body.logprobs is not None else None
         return {"index": i, "text": out.delta if streaming else out.text, "logprobs": lp, "finish_reason": self.finish_reason(out)}
+
+    def echo_choice(self, body: CompletionRequest, i: int, out: RequestOutput) -> dict[str, Any]:
+        """The prompt, then the completion (none with max_tokens 0); with logprobs, the prompt's tokens are
+        scored too, the first one with null (nothing predicts it), as OpenAI's echo does. Every generated token
+        is listed, an ending eos too: lm-evaluation-harness drops the last entry as the generated one."""
+        generated = 0 if body.max_tokens == 0 else len(out.token_ids)
+        prompt_text = self.llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) if self.llm.tokenizer else ""
+        text = prompt_text + (out.text if generated else "")  # the text leaves an ending eos out, as always
+        finish = "length" if body.max_tokens == 0 else self.finish_reason(out)
+        if body.logprobs is None:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        token_ids = out.prompt_token_ids + out.token_ids[:generated]
+        tops = out.prompt_top_logprobs + out.top_logprobs[:generated]
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        return {
+            "index": i,
+            "text": text,
+            "logprobs": {
+                "tokens": tokens,
+                "token_logprobs": out.prompt_logprobs + out.logprobs[:generated],
+                "top_logprobs": [None if top is None else {self.token_text(t): lp for t, lp in top} for top in tops],
+                "text_offset": offsets,
+            },
+            "finish_reason": finish,
+        }
 
     def chat_choice(
         self, body: ChatCompletionRequest, i: int, out: RequestOutput, start: int, streaming: bool, calls: ToolCalls | None = None

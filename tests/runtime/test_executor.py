@@ -219,3 +219,17 @@ def test_unknown_engine_dir(tmp_path):
 def test_executor_limits_cannot_exceed_the_engine(tiny_engines):
     with pytest.raises(PrecastError, match="outside the engine's build limit"):
         LLM(tiny_engines["llama"], max_batch_size=10_000)
+
+
+def test_prompt_logprobs_survive_chunking_and_preemption(smollm2_bf16_engine, smollm2_llm):
+    prompts = random_prompts(6, seed=9, lo=60, hi=120)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+    reference = smollm2_llm.generate(prompts, params)
+    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48, prefix_reuse=False) as tight:
+        outs = tight.generate(prompts, params)
+        assert tight.stats().preemptions > 0
+        wait_idle(tight)
+        tight.check_integrity()
+    for prompt, ref, out in zip(prompts, reference, outs):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs == ref.prompt_logprobs
+        assert out.prompt_top_logprobs == ref.prompt_top_logprobs and out.token_ids == ref.token_ids

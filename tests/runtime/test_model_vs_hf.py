@@ -167,3 +167,28 @@ def test_longrope_engine_for_long_sequences_uses_the_long_factors(name, tiny_che
     with torch.no_grad():
         theirs = model(torch.tensor([prompt])).logits[0].numpy()
     np.testing.assert_allclose(ours, theirs, atol=2e-4 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_prompt_logprobs_match_hf_in_chunks_and_beside_other_requests(name, tiny_checkpoints, tiny_engines):
+    """Every prompt token's log-probability (and the top 3) equals HF's log-softmax at the position before it,
+    whether the prompt runs in one step or in chunks of 8, alone or batched; a repeated prompt is recomputed
+    rather than served from the prefix cache, so it is scored again."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[name], dtype=torch.float32).eval()
+    prompt = np.random.default_rng(2).integers(0, TINY_CONFIGS[name][1]["vocab_size"], 70).tolist()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1).numpy()
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    other = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for max_num_tokens in (None, 8):
+        with LLM(tiny_engines[name], kv_cache_memory=64 << 20, max_num_tokens=max_num_tokens) as llm:
+            outs = llm.generate([prompt, prompt[:30], prompt], [scored, other, scored])
+        for out in (outs[0], outs[2]):
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            np.testing.assert_allclose(out.prompt_logprobs[1:], want[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
+            for p, top in enumerate(out.prompt_top_logprobs[1:]):
+                assert [t for t, _ in top] == list(np.argsort(-want[p], kind="stable")[:3])
+            assert out.num_cached_tokens == 0
+        assert outs[1].prompt_logprobs == []

@@ -258,3 +258,19 @@ def test_qwen_tool_calls_through_its_own_template(qwen05_engine):
         assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     finally:
         stop_server(proc)
+
+
+def test_echo_scores_the_prompt(smol):
+    base, client = smol
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("The capital of France is") and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.prompt_tokens + 1
+    assert all(lp.token_logprobs[k] <= max(lp.top_logprobs[k].values()) + 1e-6 for k in range(1, len(lp.tokens)))
+    assert lp.text_offset[1] == len(lp.tokens[0])
+    r = client.completions.create(model=MODEL, prompt=[[504, 3575, 282]], max_tokens=0, echo=True, logprobs=0)
+    assert r.choices[0].logprobs.tokens == ["The", " capital", " of"] and r.usage.completion_tokens == 0
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True).choices[0].text.startswith("Hi")
+    for body, text in (({"echo": True, "stream": True}, "echo is not supported with stream"), ({"max_tokens": 0}, "0 only with echo")):
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2} | body)
+        assert r.status_code == 400 and text in r.json()["error"]["message"]
