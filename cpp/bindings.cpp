@@ -183,6 +183,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("decode_requests", &ExecutorStats::decode_requests)
       .def_readonly("preemptions", &ExecutorStats::preemptions)
       .def_readonly("prompt_tokens", &ExecutorStats::prompt_tokens)
+      .def_readonly("step_prompt_tokens", &ExecutorStats::step_prompt_tokens)
       .def_readonly("generated_tokens", &ExecutorStats::generated_tokens)
       .def_readonly("kv", &ExecutorStats::kv);
 

@@ -391,6 +391,7 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
     stats_.context_requests = num_context;
     stats_.decode_requests = int(scheduled.size()) - num_context;
     stats_.prompt_tokens += prompt_tokens;
+    stats_.step_prompt_tokens = int(prompt_tokens);
     stats_.generated_tokens += generated;
     refresh_stats_locked();
   }

@@ -43,7 +43,8 @@ struct ExecutorStats {
   int context_requests = 0;    // of which computing prompt tokens
   int decode_requests = 0;     // of which generating
   int64_t preemptions = 0;
-  int64_t prompt_tokens = 0;  // computed prompt tokens (prefix hits excluded)
+  int64_t prompt_tokens = 0;   // computed prompt tokens (prefix hits excluded)
+  int step_prompt_tokens = 0;  // of which in the last step
   int64_t generated_tokens = 0;
   KvCacheStats kv;
 };

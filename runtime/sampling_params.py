@@ -45,19 +45,23 @@ class SamplingParams:
     max_tokens: int = knob(16, help="most tokens to generate", ge=1, openai=False, triton="TYPE_INT32",
                            triton_names=("max_tokens", "request_output_len"))  # fmt: skip
     temperature: float = knob(1.0, help="0 is greedy", ge=0, triton="TYPE_FP32")
-    top_p: float = knob(1.0, help="nucleus sampling: smallest set of tokens with this much probability", gt=0, le=1, triton="TYPE_FP32")
-    top_k: int = knob(0, help="sample among the k most likely tokens (0 disables it)", ge=0, triton="TYPE_INT32")
+    top_p: float = knob(1.0, help="nucleus sampling: smallest set of tokens with this much probability", gt=0, le=1, triton="TYPE_FP32",
+                        triton_names=("top_p", "runtime_top_p"))  # fmt: skip
+    top_k: int = knob(0, help="sample among the k most likely tokens (0 disables it)", ge=0, triton="TYPE_INT32",
+                      triton_names=("top_k", "runtime_top_k"))  # fmt: skip
     min_p: float = knob(0.0, help="drop tokens less likely than min_p x the most likely one", ge=0, le=1, triton="TYPE_FP32")
     repetition_penalty: float = knob(1.0, help="HF's rule, on prompt and output tokens (1: off)", gt=0, triton="TYPE_FP32")
     presence_penalty: float = knob(0.0, help="OpenAI's rule, on output tokens", ge=-2, le=2, triton="TYPE_FP32")
     frequency_penalty: float = knob(0.0, help="OpenAI's rule, on output tokens", ge=-2, le=2, triton="TYPE_FP32")
-    seed: int | None = knob(None, help="same seed, same tokens, whatever shares the batch", ge=0, lt=2**64, triton="TYPE_UINT64")
+    seed: int | None = knob(None, help="same seed, same tokens, whatever shares the batch", ge=0, lt=2**64, triton="TYPE_UINT64",
+                            triton_names=("seed", "random_seed"))  # fmt: skip
     stop: list[str] = knob(
         factory=list, help="stop string, never part of the output text", triton="TYPE_STRING", triton_names=("stop_words",)
     )
     stop_token_ids: list[int] = knob(factory=list, help="token id that ends generation, besides the engine's eos ids")
     bad_words: list[str] = knob(factory=list, help="word never generated", triton="TYPE_STRING")
-    min_tokens: int = knob(0, help="tokens generated before eos or a stop token may end the output", ge=0, triton="TYPE_INT32")
+    min_tokens: int = knob(0, help="tokens generated before eos or a stop token may end the output", ge=0, triton="TYPE_INT32",
+                           triton_names=("min_tokens", "min_length"))  # fmt: skip
     ignore_eos: bool = knob(False, help="keep generating past the eos token")
     logprobs: int | None = knob(
         None, help="None: none; 0: the chosen token's; n: also the n most likely", ge=0, le=20, openai=False, cli=False

@@ -14,8 +14,8 @@ client = grpcclient.InferenceServerClient(url)
 
 
 def tensor(name, value, dtype, np_dtype):
-    t = grpcclient.InferInput(name, [1], dtype)
-    t.set_data_from_numpy(np.array([value], dtype=np_dtype))
+    t = grpcclient.InferInput(name, [1, 1], dtype)  # [batch 1, 1]: tensorrtllm_backend's layout
+    t.set_data_from_numpy(np.array([[value]], dtype=np_dtype))
     return t
 
 
@@ -34,7 +34,7 @@ while True:
         sys.exit(f"error: {error}")
     text = result.as_numpy("text_output")
     if text is not None:
-        print(text[0].decode(), end="", flush=True)
+        print(text[0][0].decode(), end="", flush=True)
     if result.get_response().parameters["triton_final_response"].bool_param:
         break
 client.stop_stream()

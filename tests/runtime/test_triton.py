@@ -3,6 +3,7 @@ queried with tritonclient over HTTP and gRPC."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -108,8 +109,8 @@ def expected(smollm2_llm) -> dict[str, str]:
 
 def text_inputs(module, prompt: str, max_tokens: int, **extra):
     def tensor(name: str, value, dtype: str, np_dtype):
-        t = module.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(np.array([value], dtype=np_dtype))
+        t = module.InferInput(name, [1, 1], dtype)  # [batch, 1], as tensorrtllm_backend's clients send
+        t.set_data_from_numpy(np.array([[value]], dtype=np_dtype))
         return t
 
     inputs = [tensor("text_input", prompt.encode(), "BYTES", np.object_), tensor("max_tokens", max_tokens, "INT32", np.int32)]
@@ -134,9 +135,9 @@ def test_http_and_grpc_infer_match_llm_generate(triton, expected):
     g = grpcclient.InferenceServerClient(f"127.0.0.1:{triton['grpc']}")
     for prompt in PROMPTS[:2]:
         r = h.infer("precast_sync", text_inputs(httpclient, prompt, 12), outputs=[httpclient.InferRequestedOutput("text_output")])
-        assert r.as_numpy("text_output")[0].decode() == expected[prompt]
+        assert r.as_numpy("text_output")[0][0].decode() == expected[prompt]
         r = g.infer("precast_sync", text_inputs(grpcclient, prompt, 12), outputs=[grpcclient.InferRequestedOutput("text_output")])
-        assert r.as_numpy("text_output")[0].decode() == expected[prompt]
+        assert r.as_numpy("text_output")[0][0].decode() == expected[prompt]
 
 
 def test_token_level_inputs_and_outputs(triton, smollm2_llm):
@@ -144,12 +145,12 @@ def test_token_level_inputs_and_outputs(triton, smollm2_llm):
 
     ids = smollm2_llm.tokenizer.encode("The capital of Germany is")
     want = smollm2_llm.generate(ids, SamplingParams(temperature=0, max_tokens=6)).token_ids
-    t_ids = httpclient.InferInput("input_ids", [len(ids)], "INT32")
-    t_ids.set_data_from_numpy(np.array(ids, dtype=np.int32))
-    t_len = httpclient.InferInput("request_output_len", [1], "INT32")
-    t_len.set_data_from_numpy(np.array([6], dtype=np.int32))
+    t_ids = httpclient.InferInput("input_ids", [1, len(ids)], "INT32")
+    t_ids.set_data_from_numpy(np.array([ids], dtype=np.int32))
+    t_len = httpclient.InferInput("request_output_len", [1, 1], "INT32")
+    t_len.set_data_from_numpy(np.array([[6]], dtype=np.int32))
     r = httpclient.InferenceServerClient(f"127.0.0.1:{triton['http']}").infer("precast_sync", [t_ids, t_len])
-    assert r.as_numpy("output_ids").tolist() == want and r.as_numpy("sequence_length").tolist() == [6]
+    assert r.as_numpy("output_ids").tolist() == [[want]] and r.as_numpy("sequence_length").tolist() == [[6]]
 
 
 def grpc_stream(ports, jobs: list[tuple[str, str, list]], cancel_after: int | None = None) -> dict[str, list]:
@@ -175,7 +176,7 @@ def grpc_stream(ports, jobs: list[tuple[str, str, list]], cancel_after: int | No
         rid = response.id
         out = result.as_numpy("text_output")
         if out is not None:
-            pieces[rid].append(out[0].decode())
+            pieces[rid].append(out[0][0].decode())
             received += 1
         if response.parameters["triton_final_response"].bool_param:
             open_ids.discard(rid)
@@ -324,3 +325,125 @@ def test_triton_example_runs(smollm2_bf16_engine, tmp_path):
     r = subprocess.run(["bash", str(ROOT / "examples" / "triton" / "run.sh")], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Berlin" in r.stdout
+
+
+def trtllm_inputs(module, prompt: str, max_tokens: int, stream: bool, **extra):
+    """What a client written for tensorrtllm_backend's ensemble sends: [1, 1] tensors (string lists [1, n])."""
+    values = {
+        "text_input": ([prompt.encode()], "BYTES", np.object_),
+        "max_tokens": ([max_tokens], "INT32", np.int32),
+        "stream": ([stream], "BOOL", bool),
+        "pad_id": ([2], "INT32", np.int32),
+        "end_id": ([2], "INT32", np.int32),
+        "beam_width": ([1], "INT32", np.int32),
+        "num_return_sequences": ([1], "INT32", np.int32),
+        "temperature": ([0.0], "FP32", np.float32),
+        "top_k": ([1], "INT32", np.int32),
+        "top_p": ([1.0], "FP32", np.float32),
+        "random_seed": ([7], "UINT64", np.uint64),
+        "min_length": ([1], "INT32", np.int32),
+        "length_penalty": ([1.0], "FP32", np.float32),
+        "return_log_probs": ([True], "BOOL", bool),
+        "exclude_input_in_output": ([True], "BOOL", bool),
+    } | extra
+    tensors = []
+    for name, (value, dtype, np_dtype) in values.items():
+        t = module.InferInput(name, [1, len(value)], dtype)
+        t.set_data_from_numpy(np.array([value], dtype=np_dtype))
+        tensors.append(t)
+    return tensors
+
+
+TRTLLM_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index")
+
+
+def test_a_tensorrtllm_backend_client_works_unchanged(triton, smollm2_llm):
+    import tritonclient.grpc as grpcclient
+
+    want = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, logprobs=0, stop_token_ids=[2]))
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{triton['grpc']}")
+    outputs = [grpcclient.InferRequestedOutput(n) for n in TRTLLM_OUTPUTS]
+    r = client.infer("precast_sync", trtllm_inputs(grpcclient, PROMPTS[0], 8, False), outputs=outputs)
+    assert r.as_numpy("text_output").shape == (1, 1) and r.as_numpy("text_output")[0][0].decode() == want.text
+    assert r.as_numpy("output_log_probs").shape == (1, 1, 8)
+    np.testing.assert_allclose(r.as_numpy("output_log_probs")[0][0], want.logprobs, atol=1e-5)
+    np.testing.assert_allclose(r.as_numpy("cum_log_probs")[0][0], sum(want.logprobs), atol=1e-4)
+    assert r.as_numpy("batch_index").tolist() == [[0]] and r.as_numpy("sequence_index").tolist() == [[0]]
+
+    # the same over a decoupled gRPC stream, with stop words, bad words, a JSON schema and an embedding bias
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    extra = {
+        "stop_words": ([b"\n\n"], "BYTES", np.object_),
+        "bad_words": ([b"Munich"], "BYTES", np.object_),
+        "guided_decoding_guide_type": ([b"json_schema"], "BYTES", np.object_),
+        "guided_decoding_guide": ([json.dumps(schema).encode()], "BYTES", np.object_),
+        "embedding_bias_words": ([b" Paris"], "BYTES", np.object_),
+        "embedding_bias_weights": ([-5.0], "FP32", np.float32),
+    }
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(
+        "precast",
+        trtllm_inputs(grpcclient, PROMPTS[0], 40, True, **extra),
+        request_id="t",
+        enable_empty_final_response=True,
+        outputs=outputs,
+    )
+    text, final = "", False
+    while not final:
+        result, error = results.get(timeout=60)
+        assert error is None, error
+        if result.as_numpy("text_output") is not None:
+            text += result.as_numpy("text_output")[0][0].decode()
+            assert result.as_numpy("batch_index").tolist() == [[0]]
+        final = result.get_response().parameters["triton_final_response"].bool_param
+    client.stop_stream()
+    assert "city" in json.loads(text)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"beam_width": ([2], "INT32", np.int32)}, "beam_width=2 is not supported"),
+        ({"num_return_sequences": ([3], "INT32", np.int32)}, "num_return_sequences=3"),
+        ({"lora_task_id": ([1], "UINT64", np.uint64)}, "LoRA"),
+        ({"return_context_logits": ([True], "BOOL", bool)}, "return_context_logits=true"),
+        ({"guided_decoding_guide_type": ([b"xml"], "BYTES", np.object_)}, "guided_decoding_guide_type 'xml'"),
+        ({"embedding_bias_words": ([b"a", b"b"], "BYTES", np.object_)}, "embedding_bias_weights"),
+    ],
+)
+def test_what_precast_cannot_honour_is_refused_per_request(triton, extra, message):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{triton['grpc']}")
+    with pytest.raises(InferenceServerException, match=message):
+        client.infer("precast_sync", trtllm_inputs(grpcclient, PROMPTS[0], 4, False, **extra))
+    two = grpcclient.InferInput("text_input", [2, 1], "BYTES")
+    two.set_data_from_numpy(np.array([[b"a"], [b"b"]], dtype=np.object_))
+    with pytest.raises(InferenceServerException, match="one prompt per request"):
+        client.infer("precast_sync", [two])
+    assert client.infer("precast_sync", trtllm_inputs(grpcclient, PROMPTS[0], 2, False)).as_numpy("text_output") is not None
+
+
+def test_tensorrtllm_backend_metric_families(triton):
+    import tritonclient.http as httpclient
+
+    httpclient.InferenceServerClient(f"127.0.0.1:{triton['http']}").infer("precast_sync", text_inputs(httpclient, "Hello", 3))
+    time.sleep(0.5)  # metrics refresh every 0.2 s
+    text = httpx.get(f"http://127.0.0.1:{triton['metrics']}/metrics").text
+    for family, label in (
+        ("nv_trt_llm_request_metrics", 'request_type="max"'),
+        ("nv_trt_llm_kv_cache_block_metrics", 'kv_cache_block_type="max"'),
+        ("nv_trt_llm_inflight_batcher_metrics", 'inflight_batcher_specific_metric="generation_requests"'),
+        ("nv_trt_llm_general_metrics", 'general_type="iteration_counter"'),
+    ):
+        assert metric(triton, family, label, model="precast_sync") >= 0
+        assert f"{family}{{" in text and 'version="1"' in text
+    assert metric(triton, "nv_trt_llm_request_metrics", 'request_type="max"', model="precast_sync") == 64
+    assert metric(triton, "nv_trt_llm_general_metrics", 'general_type="iteration_counter"', model="precast_sync") > 0
