@@ -57,8 +57,13 @@ def main() -> None:
                 llm.apply_chat_template([{"role": "user", "content": f"List ten things to pack for trip number {i}, as JSON."}])
                 for i in range(args.requests)
             ]
-            free = [SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, repetition_penalty=1.1) for i in range(args.requests)]
-            guided = [SamplingParams(json_schema=SCHEMA, max_tokens=args.max_tokens, temperature=0.8, seed=i, repetition_penalty=1.1) for i in range(args.requests)]
+            free = [
+                SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=i, repetition_penalty=1.1) for i in range(args.requests)
+            ]
+            guided = [
+                SamplingParams(json_schema=SCHEMA, max_tokens=args.max_tokens, temperature=0.8, seed=i, repetition_penalty=1.1)
+                for i in range(args.requests)
+            ]
             run(llm, prompts[:4], guided[:4])  # warm: llguidance's tokenizer and the compiled schema
             stats = llm._guided
             rates: dict[str, list[float]] = {"free": [], "json_schema": []}
