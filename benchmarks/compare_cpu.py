@@ -61,6 +61,15 @@ class Result:
     batch: list[float] = field(default_factory=list)
 
 
+def smollm2_bf16_engine(out: Path, max_seq_len: int) -> Path:
+    """SmolLM2-135M-Instruct as a bfloat16 engine at `out`, built from the packaged GGUF (the small benchmarks' model)."""
+    from precast.builder.build import BuildOptions, build_engine
+    from precast.packaged import packaged_model_path
+
+    build_engine(BuildOptions(packaged_model_path("smollm2-135m-instruct"), out, dtype="bfloat16", max_seq_len=max_seq_len, progress=False))
+    return out
+
+
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

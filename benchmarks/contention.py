@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compare_cpu import cpu_name  # benchmarks/ is on sys.path when a script here runs
+from compare_cpu import cpu_name, smollm2_bf16_engine  # benchmarks/ is on sys.path when a script here runs
 
 
 def busy(stop) -> None:  # a competitor: one core's worth of work until told to stop
@@ -42,13 +42,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from precast.builder.build import BuildOptions, build_engine
-    from precast.packaged import packaged_model_path
     from precast.runtime import LLM
 
     with tempfile.TemporaryDirectory() as scratch:
-        engine = Path(scratch) / "smollm2-bf16"
-        build_engine(BuildOptions(packaged_model_path("smollm2-135m-instruct"), engine, dtype="bfloat16", max_seq_len=512, progress=False))
+        engine = smollm2_bf16_engine(Path(scratch) / "smollm2-bf16", max_seq_len=512)
         rows = []
         for threads in args.threads:
             with LLM(engine, num_threads=threads, kv_cache_memory=64 << 20) as llm:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compare_cpu import cpu_name  # benchmarks/ is on sys.path when a script here runs
+from compare_cpu import cpu_name, smollm2_bf16_engine  # benchmarks/ is on sys.path when a script here runs
 
 SCHEMA = {
     "type": "object",
@@ -45,13 +45,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from precast.builder.build import BuildOptions, build_engine
-    from precast.packaged import packaged_model_path
     from precast.runtime import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as scratch:
-        engine = Path(scratch) / "smollm2-bf16"
-        build_engine(BuildOptions(packaged_model_path("smollm2-135m-instruct"), engine, dtype="bfloat16", max_seq_len=1024, progress=False))
+        engine = smollm2_bf16_engine(Path(scratch) / "smollm2-bf16", max_seq_len=1024)
         with LLM(engine, num_threads=args.threads, kv_cache_memory=1 << 30) as llm:
             prompts = [
                 llm.apply_chat_template([{"role": "user", "content": f"List ten things to pack for trip number {i}, as JSON."}])

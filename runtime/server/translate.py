@@ -91,8 +91,6 @@ class Translator:
                 raise OpenAIError(400, str(e)) from e
 
     def completion_jobs(self, body: CompletionRequest) -> list[Job]:
-        if body.echo and body.stream:
-            raise OpenAIError(400, "echo is not supported with stream=true yet; send the request without streaming", param="echo")
         if body.max_tokens == 0 and not body.echo:
             raise OpenAIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", param="max_tokens")
         raw = body.prompt
@@ -264,22 +262,26 @@ class Translator:
 
     def completion_choice(self, body: CompletionRequest, i: int, out: RequestOutput, start: int, streaming: bool) -> dict[str, Any]:
         if body.echo:
-            return self.echo_choice(body, i, out)
+            return self.echo_choice(body, i, out, start, streaming)
         lp = self.completion_logprobs(out, start) if body.logprobs is not None else None
         return {"index": i, "text": out.delta if streaming else out.text, "logprobs": lp, "finish_reason": self.finish_reason(out)}
 
-    def echo_choice(self, body: CompletionRequest, i: int, out: RequestOutput) -> dict[str, Any]:
-        """The prompt, then the completion (none with max_tokens 0); with logprobs, the prompt's tokens are
-        scored too, the first one with null (nothing predicts it), as OpenAI's echo does. Every generated token
-        is listed, an ending eos too: lm-evaluation-harness drops the last entry as the generated one."""
-        generated = 0 if body.max_tokens == 0 else len(out.token_ids)
-        prompt_text = self.llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) if self.llm.tokenizer else ""
-        text = prompt_text + (out.text if generated else "")  # the text leaves an ending eos out, as always
-        finish = "length" if body.max_tokens == 0 else self.finish_reason(out)
+    def echo_choice(self, body: CompletionRequest, i: int, out: RequestOutput, start: int, streaming: bool) -> dict[str, Any]:
+        """The prompt (in the first chunk when streaming), then the completion (none with max_tokens 0); with
+        logprobs the prompt's tokens are scored too, the first with null (nothing predicts it), as OpenAI's echo
+        does. Every generated token is listed, an ending eos too: lm-evaluation-harness drops the last entry as the
+        generated one. `start`: output tokens already sent."""
+        shown = 0 if body.max_tokens == 0 else len(out.token_ids)
+        first = start == 0
+        prompt_ids = out.prompt_token_ids if first else []
+        prompt_text = self.llm.tokenizer.decode(prompt_ids, skip_special_tokens=False) if self.llm.tokenizer and prompt_ids else ""
+        text = prompt_text + ((out.delta if streaming else out.text) if shown else "")  # the text leaves an ending eos out
+        finish = ("length" if out.finished else None) if body.max_tokens == 0 else self.finish_reason(out)
         if body.logprobs is None:
             return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-        token_ids = out.prompt_token_ids + out.token_ids[:generated]
-        tops = out.prompt_top_logprobs + out.top_logprobs[:generated]
+        token_ids = prompt_ids + out.token_ids[start:shown]
+        logprobs = (out.prompt_logprobs if first else []) + out.logprobs[start:shown]
+        tops = (out.prompt_top_logprobs if first else []) + out.top_logprobs[start:shown]
         tokens = [self.token_text(t) for t in token_ids]
         offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
         return {
@@ -287,7 +289,7 @@ class Translator:
             "text": text,
             "logprobs": {
                 "tokens": tokens,
-                "token_logprobs": out.prompt_logprobs + out.logprobs[:generated],
+                "token_logprobs": logprobs,
                 "top_logprobs": [None if top is None else {self.token_text(t): lp for t, lp in top} for top in tops],
                 "text_offset": offsets,
             },

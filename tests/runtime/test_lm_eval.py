@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import lm_eval
 import pytest
 
 from precast.runtime import LLM, SamplingParams
@@ -59,7 +60,6 @@ def tasks(tmp_path_factory):
 
 
 def test_local_completions_loglikelihood_and_generation(smollm2_bf16_engine, tasks, monkeypatch):
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -271,6 +271,55 @@ def test_echo_scores_the_prompt(smol):
     r = client.completions.create(model=MODEL, prompt=[[504, 3575, 282]], max_tokens=0, echo=True, logprobs=0)
     assert r.choices[0].logprobs.tokens == ["The", " capital", " of"] and r.usage.completion_tokens == 0
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True).choices[0].text.startswith("Hi")
-    for body, text in (({"echo": True, "stream": True}, "echo is not supported with stream"), ({"max_tokens": 0}, "0 only with echo")):
-        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2} | body)
-        assert r.status_code == 400 and text in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 0})
+    assert r.status_code == 400 and "0 only with echo" in r.json()["error"]["message"]
+    # streamed: the prompt and its scores in the first chunk, then the completion; the same as not streamed
+    whole = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, echo=True, logprobs=2, temperature=0)
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=MODEL, prompt="The sky is", max_tokens=5, echo=True, logprobs=2, temperature=0, stream=True
+        )
+        if c.choices
+    ]
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    assert [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs] == whole.choices[0].logprobs.token_logprobs
+
+
+# Minimal templates in the Llama 3.x JSON and Mistral [TOOL_CALLS] styles (SmolLM2's own renders no tools).
+LLAMA3_TEMPLATE = """{%- if tools %}<|im_start|>system
+To call a function, answer with JSON {"name": <name>, "parameters": <arguments>}. Functions:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content or '' }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+MISTRAL_TEMPLATE = LLAMA3_TEMPLATE.replace(
+    'answer with JSON {"name": <name>, "parameters": <arguments>}', 'answer [TOOL_CALLS][{"name": <name>, "arguments": <arguments>}]'
+)
+
+
+@pytest.mark.parametrize("template", [LLAMA3_TEMPLATE, MISTRAL_TEMPLATE], ids=["llama3", "mistral"])
+def test_llama3_and_mistral_tool_formats(smollm2_bf16_engine, tmp_path, template):
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    proc, base = start_server(smollm2_bf16_engine, "--chat-template", str(path))
+    try:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60)
+        for stream in (False, True):
+            r = client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                temperature=0, max_tokens=60, stream=stream,
+            )  # fmt: skip
+            if stream:
+                chunks = [c for c in r if c.choices]
+                calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+                assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            else:
+                calls = r.choices[0].message.tool_calls
+                assert r.choices[0].finish_reason == "tool_calls"
+            assert len(calls) == 1
+            check_call(calls[0], WEATHER)
+    finally:
+        stop_server(proc)
