@@ -126,3 +126,14 @@ def test_run_chat_prints_the_answer(smollm2_bf16_engine):
 def test_run_rejects_bad_values(smollm2_bf16_engine):
     r = precast("run", str(smollm2_bf16_engine), "--prompt", "Hi", "--top-p", "0")
     assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_with_an_output_format(smollm2_bf16_engine):
+    schema = '{"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": false}'
+    r = precast("run", str(smollm2_bf16_engine), "--prompt", "Where is the Eiffel tower?", "--chat", "--json-schema", schema)
+    assert r.returncode == 0, r.stderr
+    assert list(json.loads(r.stdout)) == ["city"]
+    r = precast("run", str(smollm2_bf16_engine), "--prompt", "Is water wet?", "--chat", "--choice", "yes", "--choice", "no")
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no")
+    r = precast("run", str(smollm2_bf16_engine), "--prompt", "Hi", "--regex", "(")
+    assert r.returncode == 2 and "regex cannot be used" in r.stderr and "Traceback" not in r.stderr
