@@ -74,6 +74,11 @@ class GuidedDecoding(_C.GuidedDecoder):
         self.mask_rows, self.mask_seconds, self.advance_seconds = 0, 0.0, 0.0
 
     # ---- clients ----------------------------------------------------------------------
+    def prepare(self, kind: str, value: Any) -> None:
+        """Compile a format into the cache now (PrecastError if it cannot be), so that add() later only copies it:
+        a server prepares formats in a worker thread, never on its event loop."""
+        self._compile(kind, value)
+
     def add(self, kind: str, value: Any) -> int:
         """A new guide for one request; PrecastError naming the problem when the format cannot be compiled."""
         matcher = self._compile(kind, value).deep_copy()

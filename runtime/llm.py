@@ -254,6 +254,12 @@ class LLM:
             raise PrecastError("a prompt is a string or a list of token ids")
         return list(prompt)
 
+    def prepare_output_format(self, params: SamplingParams) -> None:
+        """Compile params' output format, if any, into the grammar cache now; PrecastError when it cannot be."""
+        guide = params.guide()
+        if guide is not None:
+            self._guided.prepare(*guide)
+
     def grammar_literal(self, text: str) -> str:
         """`text` as a literal in a grammar for this engine's tokenizer (runtime/guided.py)."""
         return self._guided.grammar_literal(text)

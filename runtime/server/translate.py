@@ -82,11 +82,13 @@ class Translator:
                 code="context_length_exceeded",
             )
 
-    @staticmethod
-    def check_params(jobs: list[Job]) -> None:
+    def check_params(self, jobs: list[Job]) -> None:
+        """Bounds, and output formats compiled here (a worker thread): a grammar takes milliseconds to seconds to
+        compile, and the event loop must not wait for it when the request is submitted."""
         for _, params in jobs:
             try:
                 params.validate()
+                self.llm.prepare_output_format(params)
             except PrecastError as e:
                 raise OpenAIError(400, str(e)) from e
 
