@@ -1,5 +1,6 @@
 #include "thread_pool.h"
 
+#include <algorithm>
 #include <chrono>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -14,7 +15,12 @@ namespace {
 // How long a thread polls before it sleeps: longer than the gaps between one decode step's
 // parallel loops (microseconds), short enough that a contended core is given up quickly.
 constexpr auto kSpinTime = std::chrono::microseconds(500);
-constexpr int kClockEvery = 64;  // pauses between clock reads
+constexpr int kClockEvery = 64;            // pauses between clock reads
+constexpr int64_t kChunksPerThread = 4;    // enough that a stalled thread's share is small
+constexpr uint32_t kClosed = 0xffffffffu;  // chunk index: nothing may be claimed
+
+uint64_t state_of(uint32_t generation, uint32_t next_chunk) { return (uint64_t(generation) << 32) | next_chunk; }
+uint32_t generation_of(uint64_t state) { return uint32_t(state >> 32); }
 
 // Polls `done` until it is true or kSpinTime has passed; returns its last value.
 template <typename Done>
@@ -26,22 +32,17 @@ bool spin_until(const Done& done) {
     if (i % kClockEvery == 0 && std::chrono::steady_clock::now() > deadline) return done();
   }
 }
-
-void range_of(int64_t n, int parts, int index, int64_t& begin, int64_t& end) {
-  begin = n * index / parts;
-  end = n * (index + 1) / parts;
-}
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] { work(i); });
+  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { work(); });
 }
 
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
-    generation_.fetch_add(1);
+    state_.store(state_of(++generation_, kClosed));
   }
   wake_cv_.notify_all();
   for (auto& t : workers_) t.join();
@@ -53,47 +54,64 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     fn(0, n);
     return;
   }
-  job_ = &fn;
-  job_n_ = n;
-  pending_.store(int(workers_.size()), std::memory_order_relaxed);
+  const auto chunks = uint32_t(std::min<int64_t>(n, kChunksPerThread * num_threads()));
+  // Close the previous job (all its chunks ran: the previous call waited for them) before its
+  // fields change; then publish the new job under the mutex, which pairs with a worker's
+  // check-then-sleep so that no wake-up is lost.
+  state_.exchange(state_of(generation_, kClosed), std::memory_order_acq_rel);
+  job_.store(&fn, std::memory_order_relaxed);
+  job_n_.store(n, std::memory_order_relaxed);
+  job_chunks_.store(chunks, std::memory_order_relaxed);
+  finished_.store(0, std::memory_order_relaxed);
   {
-    // Publishing under the mutex pairs with a worker's check-then-sleep, so no wake-up is lost.
     std::lock_guard<std::mutex> lock(mutex_);
-    generation_.fetch_add(1, std::memory_order_release);
+    state_.store(state_of(++generation_, 0), std::memory_order_release);
   }
   if (sleeping_.load() > 0) wake_cv_.notify_all();
-  int64_t begin, end;
-  range_of(n, num_threads(), 0, begin, end);
-  if (begin < end) fn(begin, end);
-  if (!spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) {
-    // seq_cst on caller_waiting_ and pending_ (here and in work): either the last worker sees the
-    // flag and notifies, or this wait's predicate sees the count at zero; no wake-up is lost.
+  run_chunks(generation_);
+  auto all_finished = [&] { return finished_.load(std::memory_order_acquire) == chunks; };
+  if (!spin_until(all_finished)) {
+    // seq_cst on caller_waiting_ and finished_ (here and in run_chunks): either the thread that
+    // finishes the last chunk sees the flag and notifies, or this wait's predicate sees it done.
     std::unique_lock<std::mutex> lock(mutex_);
     caller_waiting_.store(true);
-    done_cv_.wait(lock, [&] { return pending_.load() == 0; });
+    done_cv_.wait(lock, [&] { return finished_.load() == chunks; });
     caller_waiting_.store(false);
   }
-  job_ = nullptr;
 }
 
-void ThreadPool::work(int index) {
-  uint64_t seen = 0;
+void ThreadPool::run_chunks(uint32_t generation) {
   while (true) {
-    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      sleeping_.fetch_add(1);
-      wake_cv_.wait(lock, [&] { return generation_.load() != seen; });
-      sleeping_.fetch_sub(1);
-    }
-    if (stop_) return;
-    seen = generation_.load(std::memory_order_acquire);
-    int64_t begin, end;
-    range_of(job_n_, num_threads(), index, begin, end);
-    if (begin < end) (*job_)(begin, end);
-    if (pending_.fetch_sub(1) == 1 && caller_waiting_.load()) {
+    uint64_t state = state_.load(std::memory_order_acquire);
+    if (generation_of(state) != generation) return;
+    // Read after the state: if the caller has closed this job since, the claim below fails.
+    const uint32_t chunks = job_chunks_.load(std::memory_order_relaxed);
+    const uint32_t chunk = uint32_t(state);
+    if (chunk >= chunks) return;  // all claimed (or closed)
+    const int64_t n = job_n_.load(std::memory_order_relaxed);
+    const auto* fn = job_.load(std::memory_order_relaxed);
+    if (!state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel)) continue;
+    (*fn)(n* chunk / chunks, n * (chunk + 1) / chunks);
+    if (finished_.fetch_add(1) + 1 == chunks && caller_waiting_.load()) {
       std::lock_guard<std::mutex> lock(mutex_);
       done_cv_.notify_one();
     }
+  }
+}
+
+void ThreadPool::work() {
+  uint32_t seen = 0;
+  auto published = [&] { return generation_of(state_.load(std::memory_order_acquire)) != seen; };
+  while (true) {
+    if (!spin_until(published)) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      sleeping_.fetch_add(1);
+      wake_cv_.wait(lock, published);
+      sleeping_.fetch_sub(1);
+    }
+    if (stop_) return;
+    seen = generation_of(state_.load(std::memory_order_acquire));
+    run_chunks(seen);
   }
 }
 
