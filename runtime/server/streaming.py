@@ -23,7 +23,8 @@ from fastapi import Request
 from precast.errors import PrecastError
 from precast.runtime.llm import LLM, RequestOutput
 from precast.runtime.server.metrics import ServerMetrics
-from precast.runtime.server.translate import Job, OpenAIError, Translator
+from precast.runtime.server.responses import Responses
+from precast.runtime.server.translate import Job, OpenAIError
 
 ChoiceBuilder = Callable[[int, RequestOutput, int], dict[str, Any]]  # (index, output, first new token) -> choice
 
@@ -140,7 +141,7 @@ class Generation:
                 yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
                 return
             if include_usage:
-                yield sse(base | {"choices": [], "usage": Translator.usage(list(finals.values()), jobs)})
+                yield sse(base | {"choices": [], "usage": Responses.usage(list(finals.values()), jobs)})
             yield "data: [DONE]\n\n"
 
 
