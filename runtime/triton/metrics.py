@@ -14,17 +14,21 @@ except ImportError:  # imported outside Triton
 
 
 # family -> (description, label, {label value: quantity in TritonMetrics.quantities}). precast's own families, then
-# tensorrtllm_backend's, which also carry version="1".
+# tensorrtllm_backend's, which also carry version="1". Counters come first: an update sets the metrics one by one
+# while Triton may be scraping, and a scrape that shows a request gone (the gauges) must already show every token it
+# produced (the counters).
 FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
+    "precast_token_metrics": ("precast token counts", "token_type", {"input": "prompt_tokens", "output": "generated_tokens"}),
+    "precast_general_metrics": ("precast executor counters", "general_type",
+                                {"iteration_counter": "iterations", "preemptions": "preemptions"}),
+    "nv_trt_llm_general_metrics": ("General TRT LLM metrics", "general_type",
+                                   {"iteration_counter": "iterations", "timestamp": "timestamp_us"}),
     "precast_request_metrics": ("precast requests by state", "request_type",
                                 {"active": "active", "queued": "queued", "scheduled": "scheduled", "context": "context",
                                  "decode": "decode", "max": "max_requests"}),
     "precast_kv_cache_block_metrics": ("precast KV cache blocks", "kv_cache_block_type",
                                        {"max": "max_blocks", "free": "free_blocks", "used": "used_blocks",
                                         "reused": "reused_blocks", "tokens_per": "tokens_per_block"}),
-    "precast_general_metrics": ("precast executor counters", "general_type",
-                                {"iteration_counter": "iterations", "preemptions": "preemptions"}),
-    "precast_token_metrics": ("precast token counts", "token_type", {"input": "prompt_tokens", "output": "generated_tokens"}),
     "nv_trt_llm_request_metrics": ("TRT LLM request metrics", "request_type",
                                    {"active": "active", "max": "max_requests", "scheduled": "scheduled", "context": "context",
                                     "waiting": "queued"}),
@@ -34,8 +38,6 @@ FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
     "nv_trt_llm_inflight_batcher_metrics": ("TRT LLM inflight batcher metrics", "inflight_batcher_specific_metric",
                                             {"total_context_tokens": "step_prompt_tokens", "generation_requests": "decode",
                                              "micro_batch_id": "micro_batch_id"}),
-    "nv_trt_llm_general_metrics": ("General TRT LLM metrics", "general_type",
-                                   {"iteration_counter": "iterations", "timestamp": "timestamp_us"}),
 }  # fmt: skip
 
 
