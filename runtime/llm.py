@@ -83,6 +83,8 @@ class _Tracker:
         self.core = core  # not the LLM: a request in flight must not keep a dropped LLM alive
         self.guide_id = guide_id  # its grammar, freed when the request ends (0: none)
         self.out = RequestOutput(request_id, prompt_ids)
+        if params.prompt_logprobs is not None:  # the first prompt token has no log-probability: nothing predicts it
+            self.out.prompt_logprobs, self.out.prompt_top_logprobs = [None], [None]
         self.detok = (
             IncrementalDetokenizer(tokenizer, prompt_ids, params.stop, params.skip_special_tokens) if tokenizer is not None else None
         )
@@ -100,8 +102,6 @@ class _Tracker:
         o.logprobs += list(resp.logprobs)
         o.top_logprobs += [list(t) for t in resp.top_logprobs]
         if resp.prompt_logprobs:
-            if not o.prompt_logprobs:
-                o.prompt_logprobs, o.prompt_top_logprobs = [None], [None]
             o.prompt_logprobs += list(resp.prompt_logprobs)
             o.prompt_top_logprobs += [list(t) for t in resp.prompt_top_logprobs]
         o.num_cached_tokens = max(o.num_cached_tokens, resp.num_cached_prompt_tokens)

@@ -323,3 +323,10 @@ def test_llama3_and_mistral_tool_formats(smollm2_bf16_engine, tmp_path, template
             check_call(calls[0], WEATHER)
     finally:
         stop_server(proc)
+
+
+def test_echo_of_a_one_token_prompt(smol):
+    _, client = smol
+    r = client.completions.create(model=MODEL, prompt=[[504]], max_tokens=1, echo=True, logprobs=0, temperature=0)
+    lp = r.choices[0].logprobs
+    assert lp.tokens[0] == "The" and lp.token_logprobs[0] is None and len(lp.tokens) == len(lp.token_logprobs) == 2
