@@ -11,7 +11,7 @@ namespace precast {
 //   "read"   s += a[i]                 (bytes counted: 1 array)
 //   "copy"   a[i] = b[i]               (2 arrays)
 //   "triad"  a[i] = b[i] + q * c[i]    (3 arrays)
-// split over `num_threads` threads (each touches its own contiguous part, first-touch).
+// split over `num_threads` threads (chunks claimed as in every parallel loop).
 double memory_bandwidth(const std::string& kind, int64_t bytes_per_array, int num_threads, int repeats);
 
 }  // namespace precast
