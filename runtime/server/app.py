@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP app: routes for /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize (vLLM's), /health, /metrics.
+/detokenize (vLLM's), /health (liveness), /ready (readiness), /metrics.
 
 Each route reads its body under the size limit and parses and tokenizes it in a worker thread
 (intake.py, translate.py), then runs the jobs (streaming.py) and builds the responses (responses.py). Every choice of every request is one
 request in the shared LLM (in-flight batching across HTTP clients). Streaming responses are
 server-sent events; a client that goes away, streaming or not, cancels its requests.
 
-Open without the API key: /health and /metrics (probes and Prometheus scrapes carry no key);
+Open without the API key: /health, /ready and /metrics (probes and Prometheus scrapes carry no key);
 everything else, /openapi.json included, needs it when one is set.
 """
 
@@ -35,7 +35,7 @@ from precast.runtime.server.responses import Responses, ToolCalls
 from precast.runtime.server.streaming import Generation
 from precast.runtime.server.translate import Job, OpenAIError, Translator
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/ready", "/metrics")
 
 
 class ApiKeyCheck:
@@ -109,9 +109,15 @@ def make_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """Liveness: the process serves (also while it drains: restarting it then would cut what it finishes)."""
+        return JSONResponse({"status": "draining" if generation.draining else "ok"})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: new requests are admitted (503 while draining, so a load balancer stops sending them)."""
         if generation.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -279,3 +279,27 @@ def test_bench_dataset_and_request_rate(smollm2_bf16_engine, tmp_path):
         [*cmd, "bench", "--engine", str(smollm2_bf16_engine), "--dataset", str(bad)], capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
+
+
+def test_vllm_metric_names_match_precast_ones(server, client):
+    """What llm-d's scheduler and Dynamo's planner read: the same values under vLLM's names."""
+    shared = "Reply briefly. " * 40  # a prefix of several KV blocks, looked up twice
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=shared + "Hi", max_tokens=2, temperature=0)
+    pairs = [
+        ("precast_num_requests_running", "vllm:num_requests_running"),
+        ("precast_num_requests_waiting", "vllm:num_requests_waiting"),
+        ("precast_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+        ("precast_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+        ("precast_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("precast_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("precast_generation_tokens_total", "vllm:generation_tokens_total"),
+        ("precast_num_preemptions_total", "vllm:num_preemptions_total"),
+        ("precast_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("precast_inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+        ("precast_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
+    ]
+    for ours, theirs in pairs:  # idle now: nothing moves between the two reads
+        assert metric(server, ours) == metric(server, theirs), (ours, theirs)
+    assert metric(server, "vllm:prefix_cache_hits_total") >= 32  # the second request reused the shared prefix
+    assert metric(server, "vllm:prefix_cache_queries_total") >= metric(server, "vllm:prefix_cache_hits_total")

@@ -155,9 +155,11 @@ def test_sigterm_drains_then_ends_every_open_stream_with_done_or_an_error(smollm
     for event in started.values():
         assert event.wait(60)
     proc.send_signal(signal.SIGTERM)
-    # While draining: health says so and new requests are refused (or the port is already closed).
+    # While draining: alive, not ready, and new requests are refused (or the port is already closed).
     try:
-        assert httpx.get(f"{base}/health", timeout=5).status_code == 503
+        health = httpx.get(f"{base}/health", timeout=5)
+        assert health.status_code == 200 and health.json()["status"] == "draining"
+        assert httpx.get(f"{base}/ready", timeout=5).status_code == 503
         refused = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=5)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     except httpx.ConnectError:
@@ -180,6 +182,7 @@ def test_api_key_from_a_file_or_the_environment(smollm2_bf16_engine, tmp_path, m
         assert httpx.get(f"{base}/openapi.json").status_code == 401
         assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sk-from-file"}).status_code == 200
         assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
+        assert httpx.get(f"{base}/ready").json()["status"] == "ready"
     finally:
         stop_server(proc)
     monkeypatch.setenv("PRECAST_API_KEY", "sk-env")
