@@ -196,6 +196,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("kv_cache_bytes", &ExecutorConfig::kv_cache_bytes)
       .def_readwrite("chunked_prefill", &ExecutorConfig::chunked_prefill)
       .def_readwrite("prefix_reuse", &ExecutorConfig::prefix_reuse)
+      .def_readwrite("kv_events", &ExecutorConfig::kv_events)
       .def_readwrite("eos_token_ids", &ExecutorConfig::eos_token_ids);
 
   py::class_<BatchSequence>(m, "BatchSequence")
@@ -460,7 +461,23 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &Executor::stats)
       .def("shutdown", &Executor::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("check_integrity", &Executor::check_integrity, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_kv_blocks", &Executor::num_kv_blocks);
+      .def_property_readonly("num_kv_blocks", &Executor::num_kv_blocks)
+      .def(
+          "take_kv_events",
+          [](Executor& e) {
+            int64_t dropped = 0;
+            std::vector<KvEvent> events;
+            {
+              py::gil_scoped_release release;
+              events = e.take_kv_events(dropped);
+            }
+            py::list out;
+            for (const KvEvent& ev : events)
+              out.append(py::make_tuple(ev.stored, ev.hash,
+                                        ev.has_parent ? py::object(py::int_(ev.parent_hash)) : py::none(), ev.tokens));
+            return py::make_tuple(out, dropped);
+          },
+          "Prefix-cache changes since the last call: ([(stored, hash, parent hash or None, token ids)], dropped).");
 
   // The scheduler with its own KV manager, driven step by step from Python (tests of its invariants):
   // advance() does what the executor does with a step's result (tokens computed, blocks committed, one

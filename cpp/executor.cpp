@@ -30,6 +30,7 @@ Executor::Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner, s
   }
   runner_->configure_kv(num_blocks_, tokens_per_block);
   kv_ = std::make_unique<KvCacheManager>(num_blocks_, tokens_per_block, config_.prefix_reuse);
+  kv_->record_events(config_.kv_events);
   SchedulerConfig sc{config_.max_batch_size, config_.max_num_tokens, config_.chunked_prefill};
   scheduler_ = std::make_unique<Scheduler>(sc, *kv_, std::make_unique<PriorityFcfsPolicy>());
   stats_.kv = kv_->stats();
@@ -164,11 +165,25 @@ void Executor::finish(RequestState& r, FinishReason reason, Response& response, 
   response.num_cached_prompt_tokens = r.num_cached_prompt;
 }
 
+std::vector<KvEvent> Executor::take_kv_events(int64_t& dropped) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  dropped = std::exchange(kv_events_dropped_, 0);
+  return std::exchange(kv_events_, {});
+}
+
 void Executor::refresh_stats_locked() {
   stats_.active_requests = scheduler_->num_running();
   stats_.queued_requests = scheduler_->num_waiting();
   stats_.preemptions = scheduler_->num_preemptions();
   stats_.kv = kv_->stats();
+  if (config_.kv_events) {  // handed to clients here, under the lock: the KV manager is the loop thread's
+    for (KvEvent& e : kv_->take_events()) kv_events_.push_back(std::move(e));
+    if (kv_events_.size() > kMaxKvEvents) {
+      const size_t extra = kv_events_.size() - kMaxKvEvents;
+      kv_events_.erase(kv_events_.begin(), kv_events_.begin() + int64_t(extra));
+      kv_events_dropped_ += int64_t(extra);
+    }
+  }
 }
 
 // The loop: wait for work, take what clients sent (requests, cancels, an audit), run one step.

@@ -32,6 +32,7 @@ struct ExecutorConfig {
   int64_t kv_cache_bytes = 0;  // KV memory budget; the block count is budget / runner's block size
   bool chunked_prefill = true;
   bool prefix_reuse = true;
+  bool kv_events = false;  // record prefix-cache changes for take_kv_events() (KV-aware routers)
   std::vector<TokenId> eos_token_ids;
 };
 
@@ -61,6 +62,10 @@ class Executor {
   std::vector<Response> await_responses(double timeout_seconds);
   bool cancel(RequestId id);  // false when the id is unknown or already finished
   ExecutorStats stats() const;
+  // Prefix-cache changes since the last call (with config.kv_events), oldest first. At most
+  // kMaxKvEvents are kept between calls; older ones are dropped and counted in `dropped`.
+  std::vector<KvEvent> take_kv_events(int64_t& dropped);
+  static constexpr size_t kMaxKvEvents = 1 << 20;
   void shutdown();
   // Runs on the loop thread between steps; used by tests to audit block accounting.
   void check_integrity();
@@ -114,6 +119,8 @@ class Executor {
   std::vector<RequestId> cancels_;
   std::unordered_set<RequestId> live_;  // enqueued and not yet finished
   std::vector<Response> responses_;
+  std::vector<KvEvent> kv_events_;
+  int64_t kv_events_dropped_ = 0;
   ExecutorStats stats_;
   bool audit_requested_ = false;
   std::string audit_error_;

@@ -78,6 +78,7 @@ void KvCacheManager::unregister(int block) {
   if (!blk.registered) return;
   auto it = by_hash_.find(blk.hash);
   if (it != by_hash_.end() && it->second == block) by_hash_.erase(it);
+  if (record_events_) events_.push_back({false, blk.hash, false, 0, {}});
   blk.registered = false;
   blk.parent = -1;
   blk.tokens.clear();
@@ -112,6 +113,8 @@ void KvCacheManager::commit(RequestId id, const std::vector<TokenId>& tokens, in
     blk.parent = parent;
     blk.tokens.assign(tokens.begin() + i * B, tokens.begin() + (i + 1) * B);
     by_hash_[h] = table.blocks[i];
+    if (record_events_)
+      events_.push_back({true, h, parent_blk != nullptr, parent_blk ? parent_blk->hash : 0, blk.tokens});
   }
 }
 

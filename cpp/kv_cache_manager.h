@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <list>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "request.h"
@@ -33,9 +34,24 @@ struct KvCacheStats {
   double hit_rate() const { return prefix_query_tokens ? double(prefix_hit_tokens) / prefix_query_tokens : 0.0; }
 };
 
+// A change in what the prefix cache holds, for KV-aware routers (runtime/server/kv_events.py):
+// a full block registered under `hash` (after `parent_hash`, if any), or one dropped.
+struct KvEvent {
+  bool stored = true;  // false: removed
+  uint64_t hash = 0;
+  bool has_parent = false;
+  uint64_t parent_hash = 0;
+  std::vector<TokenId> tokens;  // stored blocks only
+};
+
 class KvCacheManager {
  public:
   KvCacheManager(int num_blocks, int tokens_per_block, bool enable_prefix_reuse);
+
+  // Record KvEvents from now on (off by default: nothing is recorded or paid for).
+  void record_events(bool on) { record_events_ = on; }
+  // The events since the last call, oldest first.
+  std::vector<KvEvent> take_events() { return std::exchange(events_, {}); }
 
   // Attach the cached blocks that hold a prefix of `tokens` to the (new) request and return
   // how many tokens they cover. At least one token is always left to compute, because the
@@ -99,6 +115,8 @@ class KvCacheManager {
   int64_t reused_blocks_ = 0;
   int64_t prefix_query_tokens_ = 0;
   int64_t prefix_hit_tokens_ = 0;
+  bool record_events_ = false;
+  std::vector<KvEvent> events_;
 };
 
 }  // namespace precast

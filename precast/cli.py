@@ -157,6 +157,7 @@ def _serve(args: argparse.Namespace) -> None:
         log_level=args.log_level,
         backend=args.backend,
         chat_template=args.chat_template,
+        kv_events_endpoint=args.kv_events_endpoint,
     )
 
 
@@ -309,6 +310,9 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     v.add_argument("--max-concurrency", type=int, help="HTTP requests generating at once; more wait (default: no limit)")
     v.add_argument("--chat-template", help="a Jinja chat template file used instead of the engine's (e.g. one that renders tools)")
+    v.add_argument(
+        "--kv-events-endpoint", help="publish KV-cache events (vLLM's ZMQ format) for KV-aware routers, e.g. tcp://*:5557 (needs pyzmq)"
+    )
     v.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB")
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     _add_backend(v)

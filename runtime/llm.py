@@ -182,8 +182,10 @@ class LLM:
         chunked_prefill: bool = True,
         prefix_reuse: bool = True,
         chat_template: str | None = None,
+        kv_events: bool = False,
     ) -> None:
-        """`chat_template`: Jinja source used instead of the engine's own (for instance one that renders tools)."""
+        """`chat_template`: Jinja source used instead of the engine's own (for instance one that renders tools).
+        `kv_events`: record prefix-cache changes for take_kv_events() (KV-aware routing)."""
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
         self.num_threads: int | None = None  # CPU threads; None on a GPU backend
@@ -208,6 +210,7 @@ class LLM:
         config.tokens_per_block = limits.tokens_per_block
         config.chunked_prefill = chunked_prefill
         config.prefix_reuse = prefix_reuse
+        config.kv_events = kv_events
         config.eos_token_ids = self.eos_token_ids
         config.kv_cache_bytes = kv_cache_memory if kv_cache_memory is not None else self._default_kv_bytes(config)
         # Structured outputs: grammars by guide id; llguidance's tokenizer is built at the first guided request.
@@ -402,6 +405,11 @@ class LLM:
     def num_kv_blocks(self) -> int:
         """KV cache blocks in the pool (the budget, kv_cache_memory, divided by one block's bytes)."""
         return self._executor.num_kv_blocks
+
+    def take_kv_events(self) -> tuple[list[tuple[bool, int, int | None, list[int]]], int]:
+        """Prefix-cache changes since the last call, oldest first: ([(stored, block hash, parent hash or None, token
+        ids)], how many were dropped because they piled up). Needs LLM(kv_events=True)."""
+        return self._executor.take_kv_events()
 
     def check_integrity(self) -> None:
         self._executor.check_integrity()

@@ -15,6 +15,7 @@ from precast.errors import PrecastError
 from precast.runtime.llm import LLM
 from precast.runtime.server.app import make_app
 from precast.runtime.server.defaults import API_KEY_ENV, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from precast.runtime.server.kv_events import KvEventPublisher
 from precast.runtime.server.streaming import Generation
 
 
@@ -46,6 +47,7 @@ def serve(
     log_level: str = "info",
     backend: str = "cpu",
     chat_template: str | Path | None = None,
+    kv_events_endpoint: str | None = None,
 ) -> None:
     name = model_name or Path(engine).resolve().name
     template = None
@@ -54,12 +56,22 @@ def serve(
             template = Path(chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise PrecastError(f"cannot read --chat-template {chat_template}: {e}") from e
-    with LLM(engine, backend=backend, kv_cache_memory=kv_cache_memory, num_threads=num_threads, chat_template=template) as llm:
+    kv_events = kv_events_endpoint is not None
+    with LLM(
+        engine, backend=backend, kv_cache_memory=kv_cache_memory, num_threads=num_threads, chat_template=template, kv_events=kv_events
+    ) as llm:
+        publisher = KvEventPublisher(llm, kv_events_endpoint) if kv_events_endpoint else None
         app = make_app(llm, name, api_key=api_key, max_concurrency=max_concurrency, max_request_bytes=max_request_bytes)
         print(f"precast serve: {name} on http://{host}:{port}/v1 (metrics at /metrics)", flush=True)
         print(f"precast serve: {llm.describe_resources()}", flush=True)
+        if publisher is not None:
+            print(f"precast serve: KV-cache events on {kv_events_endpoint} (vLLM's format)", flush=True)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(drain_timeout) + 5)
-        DrainingServer(config, app.state.generation, drain_timeout).run()
+        try:
+            DrainingServer(config, app.state.generation, drain_timeout).run()
+        finally:
+            if publisher is not None:
+                publisher.close()
 
 
 class DrainingServer(uvicorn.Server):
