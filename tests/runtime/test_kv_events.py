@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import msgspec
-import pytest
+import zmq
 
 from precast.runtime import LLM, SamplingParams
 from tests.runtime.test_executor import wait_idle
@@ -43,7 +44,6 @@ def test_off_by_default(smollm2_llm):
 
 
 def test_published_in_vllms_wire_format(smollm2_bf16_engine):
-    zmq = pytest.importorskip("zmq")
     port = free_port()
     proc, base = start_server(smollm2_bf16_engine, "--kv-events-endpoint", f"tcp://127.0.0.1:{port}")
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -51,8 +51,6 @@ def test_published_in_vllms_wire_format(smollm2_bf16_engine):
         sub.connect(f"tcp://127.0.0.1:{port}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         time.sleep(0.5)  # the subscription reaches the publisher
-        import httpx
-
         ids = list(range(300, 300 + 3 * B + 5))
         r = httpx.post(f"{base}/v1/completions", json={"model": "smol", "prompt": ids, "max_tokens": 1}, timeout=60)
         assert r.status_code == 200
