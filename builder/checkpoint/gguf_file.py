@@ -106,17 +106,39 @@ class GGUFCheckpoint(Checkpoint):
         if arch not in GGUF_ARCHITECTURES:
             raise PrecastError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
         self.gguf_architecture: str = arch
-        gguf_names = [t.name for t in layout.tensors]
-        if "rope_freqs.weight" in gguf_names:
-            raise PrecastError(
-                f"{path}: this GGUF stores precomputed RoPE frequency factors (rope_freqs.weight, llama.cpp's form of "
-                "llama3 RoPE scaling), which precast cannot map back to a scaling type; build from the HF checkpoint instead"
-            )
+        rope_freqs = next((t for t in layout.tensors if t.name == "rope_freqs.weight"), None)
+        tensors = [t for t in layout.tensors if t.name != "rope_freqs.weight"]  # RoPE divisors, not a weight
+        gguf_names = [t.name for t in tensors]
         unknown = [n for n in gguf_names if _hf_name(n) is None]
         if unknown:
             raise PrecastError(f"{path}: tensors precast does not know how to map: {', '.join(unknown[:10])}")
-        self._tensors = {_hf_name(t.name): t for t in layout.tensors}
-        self.config = self._hf_config(set(gguf_names), layout.tensors)
+        self._tensors = {_hf_name(t.name): t for t in tensors}
+        self.config = self._hf_config(set(gguf_names), tensors)
+        if rope_freqs is not None:
+            self.config["rope_scaling"] = self._llama3_scaling(rope_freqs)
+
+    def _llama3_scaling(self, rope_freqs: GGUFTensor) -> dict[str, Any]:
+        """llama.cpp writes llama3 RoPE scaling as per-frequency divisors (rope_freqs.weight); the llama3
+        parameters that give exactly those divisors, or a clear refusal."""
+        from gguf import GGMLQuantizationType
+
+        from precast.engine.rope import llama3_from_divisors
+
+        if rope_freqs.tensor_type != GGMLQuantizationType.F32:
+            raise PrecastError(f"{self.path}: rope_freqs.weight is {rope_freqs.tensor_type.name}, expected F32")
+        c = self.config
+        head_dim = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+        arch = self.gguf_architecture
+        # Only the ratios of the parameters matter; the original context sets their scale (Llama 3.1: 8192).
+        original = int(self.metadata.get(f"{arch}.rope.scaling.original_context_length") or 8192)
+        divisors = np.array(rope_freqs.data.view("<f4")).reshape(-1)
+        params = llama3_from_divisors(divisors, float(c.get("rope_theta", 10000.0)), head_dim, original)
+        if params is None:
+            raise PrecastError(
+                f"{self.path}: rope_freqs.weight holds RoPE frequency divisors that follow no llama3 scaling rule "
+                "(precast supports llama3 scaling in this form only); build from the HF checkpoint instead"
+            )
+        return {"rope_type": "llama3", **params, "original_max_position_embeddings": original}
 
     def _hf_config(self, gguf_names: set[str], tensors: list[GGUFTensor]) -> dict[str, Any]:
         arch = self.gguf_architecture

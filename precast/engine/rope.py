@@ -96,6 +96,39 @@ def _llama3(inv_freq: np.ndarray, factor: float, low: float | None, high: float 
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
+def llama3_from_divisors(divisors: np.ndarray, rope_theta: float, rotary_dim: int, original: int) -> dict[str, float] | None:
+    """The llama3 scaling parameters whose rule divides each inverse frequency by `divisors` (llama.cpp stores the
+    divisors, not the parameters, as rope_freqs.weight), or None when no llama3 rule gives them. Only the ratios
+    original / low and original / high matter, so `original` (the context the model was trained for) fixes the
+    scale; the result is checked by recomputing the divisors."""
+    d = np.asarray(divisors, dtype=np.float64)
+    inv_freq = 1.0 / (rope_theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    if d.shape != inv_freq.shape or not np.all(np.isfinite(d)) or d.min() < 1.0 - 1e-6:
+        return None
+    factor = float(d.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    wavelen = 2 * math.pi / inv_freq
+    kept, scaled = np.isclose(d, 1.0, rtol=1e-5), np.isclose(d, factor, rtol=1e-5)
+    middle = ~(kept | scaled)
+    if middle.sum() >= 2:
+        # The blend is linear in original / wavelength: smooth = (original / wavelength - low) / (high - low).
+        smooth = (1.0 / d[middle] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(original / wavelen[middle], smooth, 1)
+        high = (1.0 - intercept) / slope
+        low = -intercept / slope
+    else:  # no blended band to fit: put the band edges between the kept and the scaled wavelengths
+        if not kept.any() or not scaled.any():
+            return None
+        low = original / wavelen[scaled].min()
+        high = original / wavelen[kept].max()
+    params = {"factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high)}
+    if not (0 < low < high):
+        return None
+    again = inv_freq / _llama3(inv_freq, factor, low, high, original).astype(np.float64)
+    return params if np.allclose(again, d, rtol=1e-4) else None
+
+
 def _yarn(spec: ModelSpec, inv_freq: np.ndarray) -> tuple[np.ndarray, float]:
     """NTK-by-parts: dimensions rotating fewer than beta_slow times over the original context are
     interpolated (divided by factor), those rotating more than beta_fast times are kept, a linear

@@ -25,10 +25,12 @@ def random_quantized(qtype_name: str, rows: int, cols: int, rng: np.random.Gener
     return blocks.reshape(rows, -1)
 
 
-def write_tiny_llama_gguf(path: Path, types: dict[str, str], seed: int = 0, tied: bool = False) -> None:
+def write_tiny_llama_gguf(
+    path: Path, types: dict[str, str], seed: int = 0, tied: bool = False, rope_freqs: np.ndarray | None = None
+) -> None:
     """A 2-layer llama GGUF (hidden 256, 4 heads, 2 kv heads, head_dim 64, vocab 256, ffn 512)
     whose tensors use the given types (by GGUF name suffix; default F32), with a byte-level
-    tokenizer of 256 single-character tokens."""
+    tokenizer of 256 single-character tokens; `rope_freqs`: llama.cpp's RoPE divisors tensor (32 values)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -86,6 +88,8 @@ def write_tiny_llama_gguf(path: Path, types: dict[str, str], seed: int = 0, tied
         else:
             raw = random_quantized(qtype, *shape, rng)
             w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -125,3 +125,54 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_gguf, tmp_path):
     # The chat template renders with the special tokens of this vocabulary.
     rendered = theirs.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>assistant" in rendered
+
+
+def _llama3_divisors(factor: float, low: float, high: float, original: int, theta: float = 10000.0, dim: int = 64) -> np.ndarray:
+    """What llama.cpp writes as rope_freqs.weight for llama3 scaling, from transformers' own llama3 RoPE."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=4 * original,
+        rope_parameters={"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                         "original_max_position_embeddings": original, "rope_theta": theta},
+    )  # fmt: skip
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    return (plain / scaled.double().numpy()).astype(np.float32)
+
+
+def test_rope_freqs_become_llama3_scaling(tmp_path):
+    """llama.cpp stores llama3 RoPE scaling as per-frequency divisors; the build recovers the parameters, and the
+    engine's inverse frequencies are transformers' llama3 ones."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from precast.engine.rope import rope_parameters
+
+    for factor, low, high, original in ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (8.0, 2.0, 8.0, 8192)):
+        path = tmp_path / f"llama3-{factor}-{low}-{high}.gguf"
+        write_tiny_llama_gguf(path, {}, rope_freqs=_llama3_divisors(factor, low, high, original))
+        build_engine(BuildOptions(path, tmp_path / path.stem, max_seq_len=128, progress=False))
+        spec = load_engine(tmp_path / path.stem).config.model
+        s = spec.rope_scaling
+        assert s.rope_type == "llama3" and s.original_max_position_embeddings == original
+        assert abs(s.factor - factor) < 1e-4 and abs(s.low_freq_factor - low) < 1e-3 and abs(s.high_freq_factor - high) < 1e-3
+        config = LlamaConfig(
+            hidden_size=256, num_attention_heads=4, max_position_embeddings=4 * original,
+            rope_parameters={"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                             "original_max_position_embeddings": original, "rope_theta": 10000.0},
+        )  # fmt: skip
+        want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        np.testing.assert_allclose(rope_parameters(spec)[0], want.numpy(), rtol=2e-6)
+
+
+def test_rope_freqs_that_follow_no_llama3_rule_are_refused(tmp_path):
+    import pytest
+
+    from precast.errors import PrecastError
+
+    path = tmp_path / "odd.gguf"
+    write_tiny_llama_gguf(path, {}, rope_freqs=np.random.default_rng(0).uniform(1.0, 5.0, 32))
+    with pytest.raises(PrecastError, match="follow no llama3 scaling rule"):
+        open_checkpoint(path)
