@@ -59,6 +59,21 @@ class Result:
     prefill: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
     batch: list[float] = field(default_factory=list)
+    # Read bandwidth measured just before each decode run: this host's bandwidth swings up to 2x from one second to
+    # the next (benchmarks/bandwidth.py), so a share of "the limit" is only honest against the same moment's.
+    read_bandwidth: list[float] = field(default_factory=list)
+
+    def bandwidth_share(self, fallback: float) -> float:
+        """Median over runs of decode bytes/s over the read bandwidth measured with it (`fallback` if none was)."""
+        if len(self.read_bandwidth) != len(self.decode):
+            return med(self.decode) * self.weight_bytes / fallback
+        return med([d * self.weight_bytes / bw for d, bw in zip(self.decode, self.read_bandwidth)])
+
+
+def read_bandwidth_now(threads: int) -> float:
+    from precast import _C
+
+    return _C.memory_bandwidth("read", 256 << 20, threads, 2)
 
 
 def smollm2_bf16_engine(out: Path, max_seq_len: int) -> Path:
@@ -92,6 +107,7 @@ def bench_precast(name: str, engine: Path, threads: int, repeats: int, chat_ids:
     with LLM(engine, num_threads=threads, prefix_reuse=False, kv_cache_memory=2 << 30) as llm:
         llm.generate(chat_ids, SamplingParams(max_tokens=8))  # warm-up
         for _ in range(repeats):
+            r.read_bandwidth.append(read_bandwidth_now(threads))
             t0 = time.perf_counter()
             first = None
             for _out in llm.stream(chat_ids, SamplingParams(max_tokens=DECODE_TOKENS + 1, **greedy)):
@@ -146,6 +162,7 @@ def bench_hf(name: str, model, threads: int, repeats: int, chat_ids: list[int], 
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, **kw)
         for _ in range(repeats):
+            r.read_bandwidth.append(read_bandwidth_now(threads))
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=1, **kw)
             t1 = time.perf_counter()
@@ -239,6 +256,7 @@ def _bench_llamacpp(name: str, path: Path, threads: int, repeats: int, chat_ids:
     ll = LlamaCpp(path, threads, use_extra_bufts=extra)
     try:
         for rep in range(repeats + 1):  # the first round warms up
+            bandwidth = read_bandwidth_now(threads)
             ll.clear()
             t0 = time.perf_counter()
             (tok,) = ll.decode([(t, p, 0, p == len(chat_ids) - 1) for p, t in enumerate(chat_ids)])
@@ -257,6 +275,7 @@ def _bench_llamacpp(name: str, path: Path, threads: int, repeats: int, chat_ids:
                 nxt = ll.decode([(nxt[s], BATCH_IN + step, s, True) for s in range(BATCH)])
             batch = BATCH * BATCH_OUT / (time.perf_counter() - t2)
             if rep:
+                r.read_bandwidth.append(bandwidth)
                 r.decode.append(decode)
                 r.ttft_ms.append((first - t0) * 1e3)
                 r.prefill.append(prefill)
@@ -359,9 +378,9 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        limit = bandwidth["read"] / r.weight_bytes
+        limit = (med(r.read_bandwidth) if r.read_bandwidth else bandwidth["read"]) / r.weight_bytes
         print(
-            f"| {r.engine} | {r.family} | {r.weight_bytes / 2**20:.0f} | {cell(r.decode)} | {med(r.decode) / limit:.0%} "
+            f"| {r.engine} | {r.family} | {r.weight_bytes / 2**20:.0f} | {cell(r.decode)} | {r.bandwidth_share(bandwidth['read']):.0%} "
             f"(limit {limit:.0f}) | {cell(r.prefill)} | {cell(r.ttft_ms)} | {cell(r.batch)} |"
         )
     if ab:
@@ -414,7 +433,7 @@ def print_targets(results: list[Result], read_bandwidth: float, ab: tuple[list[f
     for name in ("float32", "bfloat16", "fp8", "nvfp4", "int4_awq"):
         r = get("precast", name)
         if r is not None:
-            fraction = med(r.decode) * r.weight_bytes / read_bandwidth
+            fraction = r.bandwidth_share(read_bandwidth)
             want = 0.7 if name in ("float32", "bfloat16", "fp8") else None
             rows.append(
                 (
