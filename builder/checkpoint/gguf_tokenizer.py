@@ -1,10 +1,13 @@
 """Rebuild a `tokenizers` tokenizer.json (and tokenizer_config.json) from GGUF metadata.
 
 A GGUF stores the vocabulary, merges, token types and special ids, plus the name of the
-pre-tokenizer (`tokenizer.ggml.pre`), which fixes how text is split before BPE. Byte-level
-BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Llama 3, Qwen 2/3) are
-supported; the split rule for each known pre-tokenizer name is the one its original
-tokenizer.json uses.
+pre-tokenizer (`tokenizer.ggml.pre`), which fixes how text is split before BPE. Two kinds are rebuilt:
+- byte-level BPE (`tokenizer.ggml.model == "gpt2"`: GPT-2, SmolLM, Llama 3, Qwen 2/3); the split rule for each
+  known pre-tokenizer name is the one its original tokenizer.json uses;
+- SentencePiece BPE (`"llama"`: Llama 2 and Mistral v1 exports, architecture llama): pieces spelled with "▁" for
+  spaces, byte fallback through the `<0x..>` tokens, merges from the file or, as llama.cpp's exports usually have
+  none, implied by the vocabulary and its scores (every split of a piece into two pieces, best-scored piece first).
+  Gemma's and Phi-3's SentencePiece variants differ in ways the file does not state and are refused.
 """
 
 from __future__ import annotations
@@ -65,25 +68,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> TokenizerFiles:
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise PrecastError(
-            f"{source}: tokenizer type {kind!r} is not supported yet (precast rebuilds byte-level BPE, 'gpt2', "
-            "tokenizers from GGUF); build from the HF checkpoint, which carries tokenizer.json"
-        )
+def _byte_level_bpe(
+    metadata: dict[str, Any], tokens: list[str], merges: list[tuple[str, ...]], source: str
+) -> tuple[Tokenizer, dict[str, int]]:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise PrecastError(
             f"{source}: pre-tokenizer {pre!r} is unknown to precast (known: {', '.join(sorted(PRE_TOKENIZERS))}); "
             "splitting text another way would silently change tokenization, so the build stops"
         )
-    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    if len(token_types) != len(tokens):
-        raise PrecastError(f"{source}: {len(tokens)} tokens but {len(token_types)} token types; the file is corrupt")
-
     # Tokens are stored in the byte-level alphabet already; one that is not (a raw space
     # in an added token, say) is respelled so that BPE can ever produce it.
     alphabet = _bytes_to_unicode()
@@ -92,6 +85,60 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> TokenizerFiles
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
+    return tok, vocab
+
+
+def _sentencepiece_bpe(
+    metadata: dict[str, Any], tokens: list[str], merges: list[tuple[str, ...]], source: str
+) -> tuple[Tokenizer, dict[str, int]]:
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise PrecastError(
+            f"{source}: a SentencePiece tokenizer for architecture {arch!r} is not rebuilt (its variant is not stated in "
+            "the file); build from the HF checkpoint, which carries tokenizer.json"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if not merges:
+        scores = list(metadata.get("tokenizer.ggml.scores") or [])
+        if len(scores) != len(tokens):
+            raise PrecastError(f"{source}: a SentencePiece vocabulary of {len(tokens)} tokens needs as many scores, got {len(scores)}")
+        merges = _merges_implied(vocab, dict(zip(tokens, scores)))
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id", 0)
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))  # a space before the text's first word
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+    return tok, vocab
+
+
+def _merges_implied(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a piece into two pieces of the vocabulary,
+    ordered by the piece's score (best first), then by the lengths of the two parts (longer first); a piece's own
+    splits in the order of their parts' ids."""
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in scores.items():
+        splits = [(piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> TokenizerFiles:
+    kind = metadata.get("tokenizer.ggml.model")
+    builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+    if kind not in builders:
+        raise PrecastError(
+            f"{source}: tokenizer type {kind!r} is not supported yet (precast rebuilds byte-level BPE, 'gpt2', and "
+            "SentencePiece BPE, 'llama', tokenizers from GGUF); build from the HF checkpoint, which carries tokenizer.json"
+        )
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    if len(token_types) != len(tokens):
+        raise PrecastError(f"{source}: {len(tokens)} tokens but {len(token_types)} token types; the file is corrupt")
+    tok, vocab = builders[kind](metadata, tokens, merges, source)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types) if ty == _CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED])
 
@@ -100,14 +147,15 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> TokenizerFiles
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
     bos, eos = token("bos_token_id"), token("eos_token_id")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     if (add_bos and bos) or (add_eos and eos):
         single = " ".join([f"{bos}:0"] * (add_bos and bos is not None) + ["$A:0"] + [f"{eos}:0"] * (add_eos and eos is not None))
         pair = single + " " + single.replace("$A", "$B").replace(":0", ":1")
         special = [(t, vocab[t]) for t in (bos if add_bos else None, eos if add_eos else None) if t]
         tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
-    else:
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
 
     chat_template = metadata.get("tokenizer.chat_template")

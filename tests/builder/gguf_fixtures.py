@@ -26,15 +26,24 @@ def random_quantized(qtype_name: str, rows: int, cols: int, rng: np.random.Gener
 
 
 def write_tiny_llama_gguf(
-    path: Path, types: dict[str, str], seed: int = 0, tied: bool = False, rope_freqs: np.ndarray | None = None
+    path: Path,
+    types: dict[str, str],
+    seed: int = 0,
+    tied: bool = False,
+    rope_freqs: np.ndarray | None = None,
+    sentencepiece: tuple[list[str], list[float], list[int]] | None = None,
 ) -> None:
     """A 2-layer llama GGUF (hidden 256, 4 heads, 2 kv heads, head_dim 64, vocab 256, ffn 512)
     whose tensors use the given types (by GGUF name suffix; default F32), with a byte-level
-    tokenizer of 256 single-character tokens; `rope_freqs`: llama.cpp's RoPE divisors tensor (32 values)."""
+    tokenizer of 256 single-character tokens; `rope_freqs`: llama.cpp's RoPE divisors tensor (32 values);
+    `sentencepiece`: (tokens, scores, token types) of a SentencePiece ("llama") vocabulary instead, no merges
+    (as llama.cpp writes them; the vocabulary size follows it)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     hidden, heads, kv_heads, ffn, vocab, layers = 256, 4, 2, 512, 256, 2
+    if sentencepiece is not None:
+        vocab = len(sentencepiece[0])
     head_dim = hidden // heads
     w = gguf.GGUFWriter(path, "llama")
     w.add_context_length(128)
@@ -47,16 +56,26 @@ def write_tiny_llama_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    from precast.builder.checkpoint.gguf_tokenizer import _bytes_to_unicode
+    if sentencepiece is not None:
+        tokens, scores, token_types = sentencepiece
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(token_types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        from precast.builder.checkpoint.gguf_tokenizer import _bytes_to_unicode
 
-    letters = list(_bytes_to_unicode().values())
-    w.add_token_list(letters)
-    w.add_token_types([1] * vocab)
-    w.add_token_merges([])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+        letters = list(_bytes_to_unicode().values())
+        w.add_token_list(letters)
+        w.add_token_types([1] * vocab)
+        w.add_token_merges([])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
 
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
     if not tied:

@@ -176,3 +176,49 @@ def test_rope_freqs_that_follow_no_llama3_rule_are_refused(tmp_path):
     write_tiny_llama_gguf(path, {}, rope_freqs=np.random.default_rng(0).uniform(1.0, 5.0, 32))
     with pytest.raises(PrecastError, match="follow no llama3 scaling rule"):
         open_checkpoint(path)
+
+
+SPM_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A sentencepiece vocabulary writes spaces as a lower one-eighth block; "
+    "llama.cpp keeps it in the GGUF with a score per piece and no merges. Numbers like 12345 and 2026 appear too.\n"
+) * 20
+
+
+def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary as llama.cpp exports one: <unk>, <s>, </s>, the 256 byte pieces, then
+    pieces learned by BPE on SPM_TEXT, each scored by its rank (earlier merges score higher)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    learner = SentencePieceBPETokenizer()
+    learner.train_from_iterator([SPM_TEXT], vocab_size=400, min_frequency=2, show_progress=False)
+    learned = sorted(learner.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [t for t, _ in learned if t not in tokens]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return tokens, scores, types
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from precast.runtime.tokenizer import Tokenizer
+
+    path = tmp_path / "spm.gguf"
+    write_tiny_llama_gguf(path, {}, sentencepiece=sentencepiece_vocabulary())
+    build_engine(BuildOptions(path, tmp_path / "engine", progress=False))
+    ours = Tokenizer(load_engine(tmp_path / "engine"))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = [
+        "The quick brown fox",
+        " leading space and  two   spaces",
+        "Numbers 12345, 2026!\nNew line\ttab",
+        "unicode é ü 漢字 🙂 falls back to bytes",
+        "lazy dog.lazy dog. llama.cpp",
+        "",
+    ]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text), text
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("hi")[0] == 1  # BOS added: llama.cpp's default for a SentencePiece vocabulary
