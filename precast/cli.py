@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from precast.errors import PrecastError, describe_os_error
 from precast.runtime.server.defaults import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from precast.units import memory_size
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -143,6 +145,10 @@ def _run(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from precast.runtime.server.serve import resolve_api_key, serve
 
+    if args.replicas is not None or args.max_replicas is not None:
+        return _serve_replicas(args, resolve_api_key(args.api_key, args.api_key_file))
+    if args.kv_events:
+        raise PrecastError("--kv-events is for --replicas; a single server publishes on --kv-events-endpoint")
     serve(
         args.engine,
         args.host,
@@ -159,6 +165,43 @@ def _serve(args: argparse.Namespace) -> None:
         chat_template=args.chat_template,
         kv_events_endpoint=args.kv_events_endpoint,
     )
+
+
+def _serve_replicas(args: argparse.Namespace, api_key: str | None) -> None:
+    from precast.runtime.server.serve import read_chat_template
+
+    try:
+        from precast.runtime.replicas.app import ReplicaOptions, ScaleOptions
+        from precast.runtime.replicas.run import run_replicas
+    except ImportError as e:
+        raise PrecastError(f"--replicas runs precast behind Ray Serve, which is not installed ({e}): pip install 'precast[serve]'") from e
+    if args.kv_events_endpoint:
+        raise PrecastError("--kv-events-endpoint names one socket; with --replicas use --kv-events (one port per replica, see /replicas)")
+    count = args.max_replicas or args.replicas
+    options = ReplicaOptions(
+        engine=args.engine,
+        model_name=args.served_model_name or Path(args.engine).resolve().name,
+        num_threads=args.threads or max(1, (os.cpu_count() or 1) // count),
+        kv_cache_memory=args.kv_cache_memory,
+        api_key=api_key,
+        max_concurrency=args.max_concurrency,
+        max_request_bytes=args.max_request_bytes,
+        chat_template=read_chat_template(args.chat_template),
+        kv_events=args.kv_events,
+        backend=args.backend,
+    )
+    scale = ScaleOptions(
+        replicas=args.replicas or 1,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        max_ongoing_requests=args.max_ongoing_requests,
+        routing=args.routing,
+        health_check_period_s=args.health_check_period,
+        health_check_timeout_s=args.health_check_timeout,
+        drain_timeout=args.drain_timeout,
+    )
+    run_replicas(options, scale, args.host, args.port, args.ray_address, args.log_level)
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -189,16 +232,6 @@ def _triton(args: argparse.Namespace) -> None:
     from precast.runtime.triton.server import run_tritonserver
 
     run_tritonserver(args.repo, args.http_port, args.grpc_port, args.metrics_port, args.tritonserver_args)
-
-
-def _memory_size(text: str) -> int:
-    """'2GiB', '512MiB', '1e9' -> bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    t = text.strip().lower()
-    for suffix, factor in units.items():
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * factor)
-    return int(float(t))
 
 
 def _models(args: argparse.Namespace) -> None:
@@ -285,7 +318,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template as a user message")
     r.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     _add_sampling_arguments(r, max_tokens=256, temperature=0.0)
-    r.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB (default: a quarter of free RAM)")
+    r.add_argument("--kv-cache-memory", type=memory_size, help="KV cache size, e.g. 2GiB (default: a quarter of free RAM)")
     r.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     _add_backend(r)
     r.add_argument("--verbose", action="store_true", help="print token count and finish reason to stderr")
@@ -301,7 +334,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--api-key-file", help="read the API key from this file (keeps it out of the process list)")
     v.add_argument(
-        "--max-request-bytes", type=_memory_size, default=DEFAULT_MAX_REQUEST_BYTES,
+        "--max-request-bytes", type=memory_size, default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES >> 20}MiB)",
     )  # fmt: skip
     v.add_argument(
@@ -313,10 +346,24 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--kv-events-endpoint", help="publish KV-cache events (vLLM's ZMQ format) for KV-aware routers, e.g. tcp://*:5557 (needs pyzmq)"
     )
-    v.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size, e.g. 2GiB")
+    v.add_argument("--kv-cache-memory", type=memory_size, help="KV cache size, e.g. 2GiB")
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     _add_backend(v)
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ray = v.add_argument_group("replicas behind Ray Serve (docs/deploy.md; needs the serve extra)")
+    ray.add_argument("--replicas", type=int, help="serve N replicas, each one LLM with --threads threads (default threads: cores / N)")
+    ray.add_argument("--min-replicas", type=int, default=1, help="autoscaling floor (with --max-replicas)")
+    ray.add_argument("--max-replicas", type=int, help="autoscale between --min-replicas and this")
+    ray.add_argument("--target-ongoing-requests", type=float, default=16, help="autoscaling target per replica (default 16)")
+    ray.add_argument("--max-ongoing-requests", type=int, help="requests a replica takes at once (default: the engine's max batch size)")
+    ray.add_argument(
+        "--routing", default="prefix", choices=["prefix", "round_robin", "least_loaded"],
+        help="prefix: a prompt goes where its beginning went before, unless that replica is much busier (default)",
+    )  # fmt: skip
+    ray.add_argument("--health-check-period", type=float, default=10.0, help="seconds between Ray Serve health checks")
+    ray.add_argument("--health-check-timeout", type=float, default=30.0, help="a replica is replaced after this long unhealthy")
+    ray.add_argument("--kv-events", action="store_true", help="each replica publishes KV-cache events on a port of its own (/replicas)")
+    ray.add_argument("--ray-address", help="join this Ray cluster (e.g. auto) instead of starting one")
     v.set_defaults(func=_serve)
 
     t = sub.add_parser("triton-repo", help="write a Triton model repository serving an engine")
@@ -330,7 +377,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="stream responses (decoupled transaction policy; default on)",
     )
     t.add_argument("--instances", type=int, default=1, help="model instances (each loads the engine)")
-    t.add_argument("--kv-cache-memory", type=_memory_size, help="KV cache size per instance, e.g. 2GiB")
+    t.add_argument("--kv-cache-memory", type=memory_size, help="KV cache size per instance, e.g. 2GiB")
     t.add_argument("--no-chunked-prefill", action="store_true")
     t.add_argument("--no-prefix-reuse", action="store_true")
     t.add_argument("--threads", type=int, help="CPU threads per instance")

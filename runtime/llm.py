@@ -414,6 +414,14 @@ class LLM:
     def check_integrity(self) -> None:
         self._executor.check_integrity()
 
+    def check_alive(self) -> None:
+        """Raises PrecastError unless requests can still be served (health checks: Ray Serve's replica check)."""
+        if self._core.closed:
+            raise PrecastError("the LLM was shut down")
+        if not self._core.thread.is_alive():
+            raise PrecastError("the LLM's response dispatcher thread died; restart the process")
+        self._executor.stats()  # the executor answers
+
     def shutdown(self) -> None:
         """Stop the executor (requests in flight end as cancelled) and its threads. Idempotent; also done
         when the LLM is garbage collected or the interpreter exits."""

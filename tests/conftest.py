@@ -21,7 +21,7 @@ FULL_SUITE_FIXTURES = {
     "qwen05_gguf",  # tests/builder/test_real_models.py: a 470 MiB fetch and a 0.5B model
     "qwen05_engine",
 }
-ORACLE_PACKAGES = ("torch", "transformers", "tritonclient", "modelopt", "onnx", "onnxruntime", "openai", "lm_eval")
+ORACLE_PACKAGES = ("torch", "transformers", "tritonclient", "modelopt", "onnx", "onnxruntime", "openai", "lm_eval", "ray", "dynamo")
 
 
 def pytest_addoption(parser):

@@ -3,6 +3,7 @@
     precast.cli                          the command line (may import anything)
     precast.builder                      checkpoints -> engines; the TensorRT plan build
     precast.quantization                 recipes, calibration, AWQ, quality
+    precast.runtime.replicas             the server's app as replicas behind Ray Serve
     precast.runtime.{server,triton,bench}   the servers and the load generator
     precast.runtime                      LLM, backends, tokenizer, the TensorRT network and runner
     precast.engine                       the engine contract every layer reads
@@ -26,10 +27,11 @@ LAYERS = [
     ("precast.cli", "precast.__main__"),
     ("precast.builder",),
     ("precast.quantization",),
+    ("precast.runtime.replicas",),
     ("precast.runtime.server", "precast.runtime.triton", "precast.runtime.bench"),
     ("precast.runtime",),
     ("precast.engine",),
-    ("precast", "precast.errors", "precast.packaged", "precast._C"),
+    ("precast", "precast.errors", "precast.packaged", "precast.units", "precast._C"),
 ]
 # `import precast` stays light: the root re-exports LLM / SamplingParams lazily (PEP 562 __getattr__).
 ALLOWED = {("precast", "precast.runtime")}
@@ -96,3 +98,16 @@ def test_the_checker_sees_a_violation(tmp_path):
     bad.write_text("def f():\n    from precast.builder.build import build_engine\n")
     assert precast_imports("precast.engine.bad", bad) == [("precast.builder.build", 2)]
     assert layer_of("precast.builder.build") < layer_of("precast.engine.bad")
+
+
+def test_serving_path_imports_no_heavy_optional_package():
+    """`precast serve` / `precast run` load without Ray (the serve extra), torch, transformers or triton."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, precast.cli, precast.runtime.server.serve, precast.runtime.llm; "
+        "print([m for m in ('ray', 'torch', 'transformers', 'triton') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -74,6 +74,7 @@ def make_app(
     respond = Responses(llm)
     generation = Generation(llm, metrics, max_concurrency)
     app.state.generation = generation  # serve.py drains it on SIGTERM
+    app.state.metrics = metrics  # replicas/app.py serves the registry on its own port too
     created = int(time.time())
 
     # JSON parsing and validation hold the GIL inside single C calls (~50 ms for 4 MiB), so they run one

@@ -66,6 +66,7 @@ class KvEventPublisher:
         except zmq.ZMQError as e:
             self.socket.close(linger=0)
             raise PrecastError(f"cannot publish KV events on {endpoint}: {e}") from e
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)  # the bound address (a `*` port resolved)
         self.encoder = msgspec.msgpack.Encoder()
         self.sequence = 0
         self.stop = threading.Event()

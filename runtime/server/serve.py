@@ -32,6 +32,16 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None
     return api_key or os.environ.get(API_KEY_ENV) or None
 
 
+def read_chat_template(path: str | Path | None) -> str | None:
+    """The Jinja source of --chat-template FILE, or None when none was given."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PrecastError(f"cannot read --chat-template {path}: {e}") from e
+
+
 def serve(
     engine: str | Path,
     host: str = "127.0.0.1",
@@ -50,12 +60,7 @@ def serve(
     kv_events_endpoint: str | None = None,
 ) -> None:
     name = model_name or Path(engine).resolve().name
-    template = None
-    if chat_template is not None:
-        try:
-            template = Path(chat_template).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise PrecastError(f"cannot read --chat-template {chat_template}: {e}") from e
+    template = read_chat_template(chat_template)
     kv_events = kv_events_endpoint is not None
     with LLM(
         engine, backend=backend, kv_cache_memory=kv_cache_memory, num_threads=num_threads, chat_template=template, kv_events=kv_events

@@ -75,11 +75,12 @@ def metric(server: str, name: str) -> float:
     raise KeyError(name)
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
+def wait_for(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Polls `predicate` until it holds; fails naming `what` after `timeout` seconds."""
     deadline = time.time() + timeout
     while not predicate():
         if time.time() > deadline:
-            raise AssertionError("condition not reached")
+            raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
 
 
