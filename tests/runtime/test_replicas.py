@@ -23,6 +23,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
+from precast.errors import PrecastError
 from precast.runtime.replicas.app import APP_NAME, ReplicaOptions, ScaleOptions, build_app
 from tests.runtime.test_server import free_port, start_server, stop_server, wait_for
 
@@ -58,6 +59,22 @@ def test_cli_refuses_bad_settings_before_starting_ray(tmp_path, smollm2_bf16_eng
         proc = precast_cli("serve", *args)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode != 0 and message in out, out
+
+
+def test_settings_reach_ray_serves_deployments(smollm2_bf16_engine):
+    """Autoscaling, per-replica capacity, CPUs and health settings as Ray Serve reads them (autoscaling itself is Ray's)."""
+    options = ReplicaOptions(str(smollm2_bf16_engine), MODEL, num_threads=2)
+    scale = ScaleOptions(min_replicas=1, max_replicas=4, target_ongoing_requests=8, max_ongoing_requests=24, health_check_period_s=3)
+    replica = build_app(options, scale)._bound_deployment.init_args[0]._bound_deployment
+    autoscaling = replica._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (1, 4, 8)
+    assert replica._deployment_config.max_ongoing_requests == 24 and replica.ray_actor_options["num_cpus"] == 2
+    assert replica._deployment_config.health_check_period_s == 3
+    fixed = build_app(options, ScaleOptions(replicas=3))._bound_deployment.init_args[0]._bound_deployment
+    assert fixed.num_replicas == 3 and fixed._deployment_config.max_ongoing_requests == 64  # the engine's max_batch_size
+    for bad, message in [(ScaleOptions(routing="random"), "unknown routing"), (ScaleOptions(replicas=0), "at least 1")]:
+        with pytest.raises(PrecastError, match=message):
+            build_app(options, bad)
 
 
 def test_cli_serves_replicas_and_stops_on_sigterm(smollm2_bf16_engine):
