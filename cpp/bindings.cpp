@@ -396,6 +396,30 @@ PYBIND11_MODULE(_C, m) {
       },
       "fp8 static activation quantization, returned dequantized (for tests).");
   m.def(
+      "int4_round_trip_scaled",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> w,
+         py::array_t<float, py::array::c_style | py::array::forcecast> s, int group_size, int num_threads) {
+        if (w.ndim() != 2 || s.ndim() != 1 || s.shape(0) != w.shape(1))
+          throw std::invalid_argument("w must be [rows, cols] and s [cols]");
+        if (group_size <= 0 || w.shape(1) % group_size)
+          throw std::invalid_argument("group_size must divide the number of columns");
+        const int64_t rows = w.shape(0);
+        const int cols = int(w.shape(1));
+        py::array_t<float> out(w.request().shape);
+        const float *wp = w.data(), *sp = s.data();
+        float* op = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          ThreadPool pool(std::max(1, num_threads));
+          pool.parallel_for(rows, [&](int64_t begin, int64_t end) {
+            int4_round_trip_scaled(wp, sp, begin, end, cols, group_size, op);
+          });
+        }
+        return out;
+      },
+      py::arg("w"), py::arg("s"), py::arg("group_size"), py::arg("num_threads") = 1,
+      "dequantize(int4(w * s)) / s per group of columns (AWQ's search; quantization/awq.py).");
+  m.def(
       "fake_quant_nvfp4",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float global_scale) {
         if (x.ndim() != 2 || x.shape(1) % kNvfp4Block)

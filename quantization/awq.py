@@ -15,10 +15,12 @@ The division by s is folded into whatever produces x, so it costs nothing at run
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from precast import _C
 from precast.engine.formats import INT4_MAX
 
 GRID = 20
@@ -32,13 +34,14 @@ class AwqScale:
     error_rtn: float  # output MSE without scaling (alpha = 0)
 
 
-def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, group_size: int) -> AwqScale:
+def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, group_size: int, num_threads: int | None = None) -> AwqScale:
     """Grid search of alpha for one weight [out, in] given sample inputs [n, in].
 
     The weight is taken ROWS_PER_CHUNK output rows at a time (quantization groups lie within a row, so
     each chunk's round trip is exact as a whole matrix's), which bounds the search's temporaries."""
-    w = np.asarray(weight, dtype=np.float32)
+    w = np.ascontiguousarray(weight, dtype=np.float32)
     x = np.asarray(inputs, dtype=np.float32)
+    num_threads = num_threads or len(os.sched_getaffinity(0))
     candidates = []
     for k in range(GRID):
         s = np.maximum(mean_abs.astype(np.float32), 1e-4) ** np.float32(k / GRID)
@@ -48,7 +51,7 @@ def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, g
         chunk = w[r : r + ROWS_PER_CHUNK]
         reference = x @ chunk.T
         for k, (_, s) in enumerate(candidates):
-            dequantized = int4_round_trip(chunk * s, group_size) / s
+            dequantized = _C.int4_round_trip_scaled(chunk, s, group_size, num_threads)  # int4_round_trip(chunk * s) / s
             squared[k] += np.sum(np.square(x @ dequantized.T - reference), dtype=np.float64)
     errors = squared / (x.shape[0] * w.shape[0])
     best = int(np.argmin(errors))  # the first of equals: alpha = 0 (round to nearest) unless scaling helps
@@ -70,7 +73,8 @@ def fold_targets(layer: int, num_heads: int, num_kv_heads: int) -> dict[str, str
 
 
 def int4_round_trip(w: np.ndarray, group_size: int) -> np.ndarray:
-    """quantize_int4(w, group_size).dequantize() without packing (the search runs it 20 times per layer)."""
+    """quantize_int4(w, group_size).dequantize() without packing: the definition _C.int4_round_trip_scaled follows
+    (in one pass, with the AWQ scale applied and removed; tests compare the two bit for bit)."""
     rows, cols = w.shape
     groups = w.reshape(rows, cols // group_size, group_size)
     scales = np.abs(groups).max(axis=2, keepdims=True) / INT4_MAX

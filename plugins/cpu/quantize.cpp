@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -76,6 +77,28 @@ void fake_quant_nvfp4(const float* x, int num_rows, int cols, float global_scale
 #else
     for (int j = 0; j < kNvfp4Block; ++j) ob[j] = round_to_e2m1(xb[j] / safe) * effective;
 #endif
+  }
+}
+
+void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, int64_t row_end, int cols,
+                            int group_size, float* out) {
+  std::vector<float> v(static_cast<size_t>(group_size));
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const float* row = w + r * cols;
+    float* dst = out + r * cols;
+    for (int g = 0; g < cols; g += group_size) {
+      float amax = 0.0f;
+      for (int j = 0; j < group_size; ++j) {
+        v[size_t(j)] = row[g + j] * s[g + j];
+        amax = std::max(amax, std::fabs(v[size_t(j)]));
+      }
+      const float scale = amax / 7.0f;
+      const float safe = scale > 0.0f ? scale : 1.0f;
+      for (int j = 0; j < group_size; ++j) {
+        const float q = std::clamp(std::nearbyint(v[size_t(j)] / safe), -8.0f, 7.0f);  // half to even, as np.rint
+        dst[g + j] = q * scale / s[g + j];
+      }
+    }
   }
 }
 

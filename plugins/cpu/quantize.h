@@ -65,4 +65,12 @@ void fake_quant_fp8(const float* x, int64_t n, float scale, float* out);
 // * global, out = e2m1(clip(x / effective)) * effective.
 void fake_quant_nvfp4(const float* x, int num_rows, int cols, float global_scale, float* out);
 
+// AWQ's search (quantization/awq.py) for rows [row_begin, row_end) of a [rows, cols] weight: the int4 round trip of
+// the input-scaled weight, unscaled again: out = dequantize(int4(w * s)) / s, groups of `group_size` columns, one
+// scale max|group| / 7 per group, round half to even, clamped to [-8, 7]. The same float32 operations as
+// precast.engine.formats.quantize_int4 and its dequantization (bit-identical; tested), in one pass instead of numpy's
+// eight (the search runs it 20 times per linear layer).
+void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, int64_t row_end, int cols,
+                            int group_size, float* out);
+
 }  // namespace precast

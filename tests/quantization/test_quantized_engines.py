@@ -216,6 +216,23 @@ def test_awq_round_trip_is_the_int4_format():
     np.testing.assert_array_equal(awq.int4_round_trip(w, 64), quantize_int4(w, 64).dequantize())
 
 
+def test_awq_search_round_trip_kernel_is_bit_exact():
+    """_C.int4_round_trip_scaled (one pass, threaded) computes exactly int4_round_trip(w * s) / s."""
+    from precast import _C
+
+    w = RNG.standard_normal((37, 256)).astype(np.float32)
+    w[3, :64] = 0  # an all-zero group: scale 0
+    w[5, :64] = np.arange(64, dtype=np.float32) / 63 * 7  # integers and halves after scaling: ties to even
+    w[6, 64:128] = -np.linspace(0, 8.5, 64, dtype=np.float32)  # the scale from the most negative value (-7 at most)
+    s = (RNG.random(256) + 0.25).astype(np.float32)
+    s[:64] = 1
+    reference = awq.int4_round_trip(w * s, 64) / s
+    for threads in (1, 3):
+        np.testing.assert_array_equal(_C.int4_round_trip_scaled(w, s, 64, threads), reference)
+    with pytest.raises(ValueError, match="group_size"):
+        _C.int4_round_trip_scaled(w, s, 100)
+
+
 def test_awq_search_never_loses_to_round_to_nearest():
     w = RNG.standard_normal((64, 128)).astype(np.float32)
     x = RNG.standard_normal((256, 128)).astype(np.float32)
