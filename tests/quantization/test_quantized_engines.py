@@ -242,6 +242,25 @@ def test_awq_search_never_loses_to_round_to_nearest():
     assert found.alpha > 0 and found.error < 0.8 * found.error_rtn
 
 
+def test_awq_coarse_to_fine_search_finds_the_full_grids_alpha():
+    found_alphas = set()
+    for count, factor in [(0, 1), (2, 50), (64, 2), (3, 8)]:  # salient input channels and their weight
+        rng = np.random.default_rng(count)
+        w = rng.standard_normal((96, 256)).astype(np.float32)
+        x = rng.standard_normal((128, 256)).astype(np.float32) * (rng.random(256).astype(np.float32) * 3 + 0.1)
+        x[:, rng.choice(256, count, replace=False)] *= factor
+        mean_abs = np.abs(x).mean(0)
+        errors = []
+        for k in range(awq.GRID):  # the full grid, by definition
+            s = np.maximum(mean_abs, 1e-4).astype(np.float32) ** np.float32(k / awq.GRID)
+            s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+            errors.append(np.sum(np.square(x @ (awq.int4_round_trip(w * s, 64) / s).T - x @ w.T), dtype=np.float64))
+        found = awq.search_scale(w, x, mean_abs, 64)
+        assert found.alpha == int(np.argmin(errors)) / awq.GRID
+        found_alphas.add(found.alpha)
+    assert len(found_alphas) >= 3  # the cases do move alpha
+
+
 def test_fp8_kv_cache_matches_transformers_with_quantized_k_and_v(tiny_checkpoints, tmp_path, monkeypatch):
     from transformers.models.llama import modeling_llama
 
