@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from precast.errors import PrecastError, describe_os_error
+from precast.runtime.replicas import ROUTINGS
 from precast.runtime.server.defaults import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from precast.units import memory_size
 
@@ -168,6 +168,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _serve_replicas(args: argparse.Namespace, api_key: str | None) -> None:
+    from precast.runtime.cpu_backend import default_num_threads
     from precast.runtime.server.serve import read_chat_template
 
     try:
@@ -181,7 +182,7 @@ def _serve_replicas(args: argparse.Namespace, api_key: str | None) -> None:
     options = ReplicaOptions(
         engine=args.engine,
         model_name=args.served_model_name or Path(args.engine).resolve().name,
-        num_threads=args.threads or max(1, (os.cpu_count() or 1) // count),
+        num_threads=args.threads or max(1, default_num_threads() // count),
         kv_cache_memory=args.kv_cache_memory,
         api_key=api_key,
         max_concurrency=args.max_concurrency,
@@ -357,7 +358,7 @@ def make_parser() -> argparse.ArgumentParser:
     ray.add_argument("--target-ongoing-requests", type=float, default=16, help="autoscaling target per replica (default 16)")
     ray.add_argument("--max-ongoing-requests", type=int, help="requests a replica takes at once (default: the engine's max batch size)")
     ray.add_argument(
-        "--routing", default="prefix", choices=["prefix", "round_robin", "least_loaded"],
+        "--routing", default="prefix", choices=ROUTINGS,
         help="prefix: a prompt goes where its beginning went before, unless that replica is much busier (default)",
     )  # fmt: skip
     ray.add_argument("--health-check-period", type=float, default=10.0, help="seconds between Ray Serve health checks")

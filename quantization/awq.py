@@ -15,13 +15,13 @@ The division by s is folded into whatever produces x, so it costs nothing at run
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from precast import _C
 from precast.engine.formats import INT4_MAX
+from precast.runtime.cpu_backend import default_num_threads
 
 GRID = 20
 
@@ -44,7 +44,7 @@ def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, g
     search's temporaries."""
     w = np.ascontiguousarray(weight, dtype=np.float32)
     x = np.asarray(inputs, dtype=np.float32)
-    num_threads = num_threads or len(os.sched_getaffinity(0))
+    num_threads = num_threads or default_num_threads()
     magnitude = np.maximum(mean_abs.astype(np.float32), 1e-4)
 
     def scale(k: int) -> np.ndarray:

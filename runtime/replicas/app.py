@@ -37,9 +37,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from precast.engine.directory import load_engine
 from precast.errors import PrecastError
 from precast.runtime.llm import LLM
+from precast.runtime.replicas import ROUTINGS
 from precast.runtime.replicas.affinity import DECISIONS
 from precast.runtime.replicas.proxy import ProxiedRequest, routing_text, run_app
-from precast.runtime.replicas.router import ROUTING_MODES, PrecastRouter
+from precast.runtime.replicas.router import PrecastRouter
 from precast.runtime.server.app import make_app
 from precast.runtime.server.defaults import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from precast.runtime.server.intake import read_body
@@ -106,11 +107,9 @@ class PrecastReplica:
         self.info = {
             "replica": context.replica_id.unique_id,
             "pid": os.getpid(),
-            "node": host,
             "metrics_url": f"http://{host}:{self.metrics_server.server_port}/metrics",
             "kv_events_endpoint": self.publisher.endpoint if self.publisher else None,
             "model_name": options.model_name,
-            "resources": self.llm.describe_resources(),
         }
         self.stop = threading.Event()
         ingress = serve.get_deployment_handle(INGRESS, app_name=context.app_name, _check_exists=False)
@@ -129,9 +128,6 @@ class PrecastReplica:
     async def handle(self, request: ProxiedRequest) -> Any:
         async for item in run_app(self.app, request):
             yield item
-
-    def describe(self) -> dict[str, Any]:
-        return self.info
 
     def check_health(self) -> None:
         """Ray Serve's health check: raising marks the replica unhealthy and Ray replaces it."""
@@ -209,12 +205,13 @@ class PrecastIngress:
             except BaseException:
                 stream.cancel()  # the client hung up (Ray cancels this call) or the replica failed
                 raise
-            content_type = dict(headers).get(b"content-type", b"")
-            if b"content-length" in dict(headers) or first is None:
+            named = dict(headers)
+            if b"content-length" in named or first is None:
                 chunks = [first or b""] + [chunk async for chunk in stream]
                 response = Response(b"".join(chunks), status_code=status)
             else:
-                response = StreamingResponse(self._relay(stream, first, content_type.startswith(b"text/event-stream")), status)
+                sse = named.get(b"content-type", b"").startswith(b"text/event-stream")
+                response = StreamingResponse(self._relay(stream, first, sse), status)
             response.raw_headers = headers
             return response
         message = f"no replica could serve the request ({self.scale.max_attempts} tried; last: {type(failure).__name__}); retry"
@@ -275,8 +272,8 @@ def build_app(options: ReplicaOptions, scale: ScaleOptions | None = None) -> Any
     """The Ray Serve application (for serve.run, or a `serve run` config's import path)."""
     scale = scale or ScaleOptions()
     engine = load_engine(options.engine)  # fails here, clearly, before any replica starts
-    if scale.routing not in (*ROUTING_MODES, "least_loaded"):
-        raise PrecastError(f"unknown routing {scale.routing!r}; one of prefix, round_robin, least_loaded")
+    if scale.routing not in ROUTINGS:
+        raise PrecastError(f"unknown routing {scale.routing!r}; one of {', '.join(ROUTINGS)}")
     options = ReplicaOptions(**(asdict(options) | {"engine": str(Path(options.engine).resolve())}))
     replica_options: dict[str, Any] = {
         "name": REPLICA,

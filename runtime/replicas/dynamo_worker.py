@@ -127,8 +127,8 @@ def chunk(out: RequestOutput, start: int, prompt_tokens: int, logprobs: bool) ->
 
 
 class PrecastDynamoEngine(LLMEngine):
-    def __init__(self, args: argparse.Namespace, card_dir: Path):
-        self.args = args
+    def __init__(self, args: argparse.Namespace, served_model_name: str, card_dir: Path):
+        self.args, self.served_model_name = args, served_model_name
         self.llm: LLM | None = None
         self.card_dir = card_dir
         self.stop = threading.Event()
@@ -163,7 +163,7 @@ class PrecastDynamoEngine(LLMEngine):
             event_plane=args.event_plane,
             enable_kv_routing=not args.no_kv_events,
         )
-        return cls(args, card), config
+        return cls(args, name, card), config
 
     async def start(self, worker_id: int) -> EngineConfig:
         self.llm = LLM(
@@ -173,7 +173,7 @@ class PrecastDynamoEngine(LLMEngine):
         print(f"precast dynamo worker {worker_id}: {self.llm.describe_resources()}", flush=True)
         return EngineConfig(
             model=str(self.card_dir),
-            served_model_name=self.args.served_model_name or Path(self.args.engine).resolve().name,
+            served_model_name=self.served_model_name,
             llm=LlmRegistration(
                 context_length=self.llm.max_seq_len,
                 kv_cache_block_size=limits.tokens_per_block,

@@ -17,10 +17,10 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from precast.runtime.replicas import affinity
+from precast.runtime.replicas import ROUTINGS, affinity
 from precast.runtime.replicas.affinity import AffinitySettings, PrefixIndex, chunk_keys
 
-ROUTING_MODES = ("prefix", "round_robin")
+ROUTING_MODES = tuple(r for r in ROUTINGS if r != "least_loaded")  # the rest are this router's
 
 
 class PrecastRouter(FIFOMixin, RequestRouter):

@@ -154,7 +154,7 @@ def test_kv_events_reach_dynamos_publisher_as_it_expects(smollm2_bf16_engine, tm
 
     B = 32
     args = argparse.Namespace(no_kv_events=False)
-    engine = PrecastDynamoEngine(args, tmp_path)
+    engine = PrecastDynamoEngine(args, "smol", tmp_path)
     # a pool of 8 blocks: the second prompt evicts the first one's cached blocks
     engine.llm = LLM(smollm2_bf16_engine, kv_cache_memory=8 * 30 * 2 * 3 * 64 * 4 * B, kv_events=True)
     publisher = FakePublisher()
