@@ -3,7 +3,7 @@
     precast.cli                          the command line (may import anything)
     precast.builder                      checkpoints -> engines; the TensorRT plan build
     precast.quantization                 recipes, calibration, AWQ, quality
-    precast.runtime.replicas             the server's app as replicas behind Ray Serve
+    precast.runtime.replicas             replicas behind Ray Serve; the Dynamo worker
     precast.runtime.{server,triton,bench}   the servers and the load generator
     precast.runtime                      LLM, backends, tokenizer, the TensorRT network and runner
     precast.engine                       the engine contract every layer reads
@@ -101,13 +101,13 @@ def test_the_checker_sees_a_violation(tmp_path):
 
 
 def test_serving_path_imports_no_heavy_optional_package():
-    """`precast serve` / `precast run` load without Ray (the serve extra), torch, transformers or triton."""
+    """`precast serve` / `precast run` load without Ray (the serve extra), Dynamo, torch, transformers or triton."""
     import subprocess
     import sys
 
     code = (
         "import sys, precast.cli, precast.runtime.server.serve, precast.runtime.llm; "
-        "print([m for m in ('ray', 'torch', 'transformers', 'triton') if m in sys.modules])"
+        "print([m for m in ('ray', 'dynamo', 'torch', 'transformers', 'triton') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
