@@ -23,9 +23,11 @@ class PlannedTensor:
     shape: Shape
     # Partial rotary only: row i of the engine tensor is row row_order[i] of the concatenated sources (rope.py).
     row_order: np.ndarray | None = field(default=None, compare=False)
+    offset: float = 0.0  # added to every value, in float32 (Gemma's norm weights: Architecture.norm_weight_offset)
 
     def arrange(self, array: np.ndarray) -> np.ndarray:
-        return array if self.row_order is None else array[self.row_order]
+        array = array if self.row_order is None else array[self.row_order]
+        return array if not self.offset else array.astype(np.float32) + np.float32(self.offset)
 
 
 def _rotary_rows(spec: ModelSpec, template: str) -> np.ndarray | None:
@@ -65,7 +67,8 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, al
                 got = list(checkpoint.tensor_shape(source))
                 problems.append(f"tensor {source} has shape {got}, the config implies {list(want)}")
         used.update(sources)
-        plan.append(PlannedTensor(name, sources, full_shape(parts), _rotary_rows(spec, template)))
+        offset = arch.norm_weight_offset if template.endswith("norm.weight") else 0.0
+        plan.append(PlannedTensor(name, sources, full_shape(parts), _rotary_rows(spec, template), offset))
     ignored = {s.format(i=i) for s in IGNORED_ALWAYS for i in range(spec.num_layers)}
     if spec.tie_word_embeddings:
         ignored.update(IGNORED_WHEN_TIED)

@@ -244,6 +244,8 @@ PYBIND11_MODULE(_C, m) {
       .value("FP8_STATIC", ActQuant::kFp8Static)
       .value("NVFP4_DYNAMIC", ActQuant::kNvfp4Dynamic);
 
+  py::enum_<Activation>(m, "Activation").value("SILU", Activation::kSilu).value("GELU_TANH", Activation::kGeluTanh);
+
   py::class_<CpuModelConfig>(m, "CpuModelConfig")
       .def(py::init<>())
       .def_readwrite("vocab_size", &CpuModelConfig::vocab_size)
@@ -262,6 +264,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("inv_freq", &CpuModelConfig::inv_freq)
       .def_readwrite("rotary_dim", &CpuModelConfig::rotary_dim)
       .def_readwrite("attention_factor", &CpuModelConfig::attention_factor)
+      .def_readwrite("local_inv_freq", &CpuModelConfig::local_inv_freq)
+      .def_readwrite("local_attention_factor", &CpuModelConfig::local_attention_factor)
+      .def_readwrite("activation", &CpuModelConfig::activation)
+      .def_readwrite("embedding_scale", &CpuModelConfig::embedding_scale)
+      .def_readwrite("sandwich_norms", &CpuModelConfig::sandwich_norms)
+      .def_readwrite("attention_scale", &CpuModelConfig::attention_scale)
+      .def_readwrite("attn_logit_softcap", &CpuModelConfig::attn_logit_softcap)
+      .def_readwrite("final_logit_softcap", &CpuModelConfig::final_logit_softcap)
       .def_readwrite("dtype", &CpuModelConfig::dtype)
       .def_readwrite("kv_fp8", &CpuModelConfig::kv_fp8)
       .def_readwrite("k_scales", &CpuModelConfig::k_scales)

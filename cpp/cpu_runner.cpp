@@ -21,6 +21,10 @@ CpuRunner::CpuRunner(CpuModelConfig config) : config_(std::move(config)), pool_(
   if (c.first_layer < 0 || (c.first_layer > 0 && !c.layers_only))
     throw std::invalid_argument("first_layer is for layers_only runners and cannot be negative");
   if (int(c.inv_freq.size()) != c.head_dim / 2) throw std::invalid_argument("inv_freq must have head_dim / 2 entries");
+  if (!c.local_inv_freq.empty() && int(c.local_inv_freq.size()) != c.head_dim / 2)
+    throw std::invalid_argument("local_inv_freq must be empty or have head_dim / 2 entries");
+  if (c.attention_scale < 0 || c.attn_logit_softcap < 0 || c.final_logit_softcap < 0 || !(c.embedding_scale > 0))
+    throw std::invalid_argument("attention scale, soft caps and embedding scale cannot be negative");
   if (config_.rotary_dim == 0) config_.rotary_dim = c.head_dim;  // configs that predate partial rotary
   if (c.rotary_dim % 2 || c.rotary_dim < 0 || c.rotary_dim > c.head_dim)
     throw std::invalid_argument("rotary_dim must be even and at most head_dim");
@@ -39,6 +43,7 @@ std::pair<int, int> CpuRunner::expected_shape(const std::string& name) const {
   };
   if (name == "embed.weight" || name == "lm_head.weight") return {c.vocab_size, h};
   if (name == "final_norm.weight" || ends(".attn_norm.weight") || ends(".mlp_norm.weight")) return {-1, h};
+  if (c.sandwich_norms && (ends(".post_attn_norm.weight") || ends(".post_mlp_norm.weight"))) return {-1, h};
   if (ends(".attn.qkv.weight")) return {q + 2 * kv, h};
   if (ends(".attn.qkv.bias")) return {-1, q + 2 * kv};
   if (ends(".attn.q_norm.weight") || ends(".attn.k_norm.weight")) return {-1, c.head_dim};
@@ -147,6 +152,10 @@ void CpuRunner::finalize() {
     l.down = matrix(p + "mlp.down.weight");
     l.attn_norm = vector(p + "attn_norm.weight");
     l.mlp_norm = vector(p + "mlp_norm.weight");
+    if (c.sandwich_norms) {
+      l.post_attn_norm = vector(p + "post_attn_norm.weight");
+      l.post_mlp_norm = vector(p + "post_mlp_norm.weight");
+    }
     if (c.qkv_bias) l.qkv_bias = vector(p + "attn.qkv.bias");
     if (c.qk_norm) {
       l.q_norm = vector(p + "attn.q_norm.weight");
@@ -254,7 +263,10 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvP
   x_.resize(size_t(T) * H);
   for (int t = 0; t < T; ++t) {
     PRECAST_CHECK(batch.token_ids[t] >= 0 && batch.token_ids[t] < c.vocab_size, "token id out of range");
-    matrix_row(embed_->weight, batch.token_ids[t], x_.data() + size_t(t) * H);
+    float* row = x_.data() + size_t(t) * H;
+    matrix_row(embed_->weight, batch.token_ids[t], row);
+    if (c.embedding_scale != 1.0f)
+      for (int i = 0; i < H; ++i) row[i] *= c.embedding_scale;
   }
   run_layers(batch, kv);
 
@@ -277,6 +289,7 @@ std::vector<float> CpuRunner::run(const Batch& batch, bool all_logits, const KvP
   std::vector<float> logits(size_t(S) * c.vocab_size);
   static const std::string kObservedAbove;
   apply(*lm_head_, kObservedAbove, normed.data(), S, nullptr, logits.data());
+  if (c.final_logit_softcap > 0) soft_cap(logits.data(), int64_t(logits.size()), c.final_logit_softcap);
   return logits;
 }
 
@@ -298,7 +311,7 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
     seqs.push_back({s.block_table.data(), s.context_len, s.num_tokens, s.token_offset});
     for (int t = 0; t < s.num_tokens; ++t) token_table[s.token_offset + t] = s.block_table.data();
   }
-  const float scale = 1.0f / std::sqrt(float(D));
+  const float scale = c.attention_scale > 0 ? c.attention_scale : 1.0f / std::sqrt(float(D));
   auto rows_parallel = [&](int n, auto&& fn) {
     pool_.parallel_for(n, [&](int64_t b, int64_t e) { fn(int(b), int(e - b)); });
   };
@@ -312,6 +325,14 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
       if (weight) rms_norm(x, weight, n, H, c.norm_eps, h_.data() + size_t(r) * H);
     });
   };
+  // Sandwich norms: a block's output (in tmp_) normed in place before its residual add.
+  auto post_norm = [&](const float* weight) {
+    if (!weight) return;
+    rows_parallel(T, [&](int r, int n) {
+      float* y = tmp_.data() + size_t(r) * H;
+      rms_norm(y, weight, n, H, c.norm_eps, y);
+    });
+  };
   bool mlp_pending = false;  // tmp_ holds the previous layer's MLP output, not yet added to x_
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
@@ -323,6 +344,9 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
                        c.kv_fp8,
                        c.kv_fp8 ? c.k_scales[li] : 1.0f,
                        c.kv_fp8 ? c.v_scales[li] : 1.0f};
+    const bool local_rope = L.sliding && !c.local_inv_freq.empty();
+    const float* inv_freq = local_rope ? c.local_inv_freq.data() : c.inv_freq.data();
+    const float attention_factor = local_rope ? c.local_attention_factor : c.attention_factor;
     add_then_norm(mlp_pending, L.attn_norm);
     apply(*L.qkv, L.qkv_name, h_.data(), T, L.qkv_bias, qkv_.data());
     rows_parallel(T, [&](int r0, int n) {
@@ -333,8 +357,8 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
           rms_norm(q, L.q_norm, c.num_heads, D, c.norm_eps, q);
           rms_norm(k, L.k_norm, c.num_kv_heads, D, c.norm_eps, k);
         }
-        rope(q, c.num_heads, D, c.rotary_dim / 2, batch.positions[t], c.inv_freq.data(), c.attention_factor);
-        rope(k, c.num_kv_heads, D, c.rotary_dim / 2, batch.positions[t], c.inv_freq.data(), c.attention_factor);
+        rope(q, c.num_heads, D, c.rotary_dim / 2, batch.positions[t], inv_freq, attention_factor);
+        rope(k, c.num_kv_heads, D, c.rotary_dim / 2, batch.positions[t], inv_freq, attention_factor);
         write_kv(cache, token_table[t], batch.positions[t], k, k + kv_size);
       }
     });
@@ -343,14 +367,17 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
       observer_->observe(L.v_name, qkv_.data() + q_size + kv_size, T, kv_size, qkv_size);
     }
     paged_attention(pool_, cache, seqs, qkv_.data(), qkv_size, c.num_heads, L.sliding ? c.sliding_window : 0, scale,
-                    attn_.data());
+                    c.attn_logit_softcap, attn_.data());
     apply(*L.o, L.o_name, attn_.data(), T, nullptr, tmp_.data());
+    post_norm(L.post_attn_norm);
     add_then_norm(true, L.mlp_norm);
     apply(*L.gate_up, L.gate_up_name, h_.data(), T, nullptr, gate_up_.data());
     rows_parallel(T, [&](int r, int n) {
-      silu_and_mul(gate_up_.data() + size_t(r) * 2 * inter, n, inter, act_.data() + size_t(r) * inter);
+      gated_activation(gate_up_.data() + size_t(r) * 2 * inter, n, inter, c.activation,
+                       act_.data() + size_t(r) * inter);
     });
     apply(*L.down, L.down_name, act_.data(), T, nullptr, tmp_.data());
+    post_norm(L.post_mlp_norm);
     mlp_pending = true;
   }
   if (mlp_pending) add_then_norm(true, nullptr);

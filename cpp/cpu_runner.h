@@ -46,6 +46,15 @@ struct CpuModelConfig {
   std::vector<float> inv_freq;  // head_dim / 2 rotary inverse frequencies
   int rotary_dim = 0;           // leading dims RoPE rotates (pairs j < rotary_dim / 2); 0: head_dim
   float attention_factor = 1.0f;
+  // Sliding-window layers' RoPE when it differs (Gemma 3's local base); empty: inv_freq for every layer.
+  std::vector<float> local_inv_freq;
+  float local_attention_factor = 1.0f;
+  Activation activation = Activation::kSilu;
+  float embedding_scale = 1.0f;           // multiplies the input embeddings (Gemma: sqrt(hidden) in the engine dtype)
+  bool sandwich_norms = false;            // post_attn_norm / post_mlp_norm on each block's output (Gemma 2/3)
+  float attention_scale = 0.0f;           // scores = q.k * this; 0: 1 / sqrt(head_dim)
+  float attn_logit_softcap = 0.0f;        // 0: none
+  float final_logit_softcap = 0.0f;       // 0: none
   WeightDtype dtype = WeightDtype::kF32;  // matrices not quantized; vectors are float32
   bool kv_fp8 = false;                    // E4M3 KV cache with these per-layer scales
   std::vector<float> k_scales, v_scales;
@@ -106,6 +115,8 @@ class CpuRunner : public ModelRunner {
     const float* qkv_bias = nullptr;
     const float* attn_norm = nullptr;
     const float* mlp_norm = nullptr;
+    const float* post_attn_norm = nullptr;  // sandwich_norms only
+    const float* post_mlp_norm = nullptr;
     const float* q_norm = nullptr;
     const float* k_norm = nullptr;
     bool sliding = false;

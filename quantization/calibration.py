@@ -117,8 +117,10 @@ def calibrate(
     hidden = _hidden_states(total, spec.hidden_size, scratch)
     embed = engine.weights.read("embed.weight")
     offsets = np.cumsum([0] + [len(s) for s in sequences])
+    scale = np.float32(spec.embedding_scale(engine.config.dtype))  # Gemma's sqrt(hidden); 1 elsewhere
     for seq, begin in zip(sequences, offsets):
-        hidden[begin : begin + len(seq)] = embed[np.asarray(seq)].astype(np.float32)  # exact widening, as the runner's
+        rows = embed[np.asarray(seq)].astype(np.float32)  # exact widening, as the runner's
+        hidden[begin : begin + len(seq)] = rows * scale if scale != 1 else rows
     del embed
     recorder = _C.CalibrationRecorder(max_sample_rows, max(1, total // max(1, max_sample_rows)) if max_sample_rows else 1)
     stats: dict[str, ChannelStats] = {}

@@ -8,11 +8,12 @@ import numpy as np
 
 from precast import _C
 from precast.engine.directory import Engine
-from precast.engine.rope import rope_parameters
+from precast.engine.rope import has_local_rope, rope_parameters
 from precast.engine.tensors import linear_shapes
 from precast.errors import PrecastError
 
 _WEIGHT_DTYPES = {"float32": _C.WeightDtype.F32, "bfloat16": _C.WeightDtype.BF16, "float16": _C.WeightDtype.F16}
+_ACTIVATIONS = {"silu": _C.Activation.SILU, "gelu_tanh": _C.Activation.GELU_TANH}
 
 
 def default_num_threads() -> int:
@@ -52,6 +53,15 @@ def make_cpu_runner(
     c.inv_freq = inv_freq.tolist()
     c.rotary_dim = spec.rotary_dim
     c.attention_factor = attention_factor
+    if has_local_rope(spec):
+        local_inv_freq, c.local_attention_factor = rope_parameters(spec, engine.config.limits.max_seq_len, local=True)
+        c.local_inv_freq = local_inv_freq.tolist()
+    c.activation = _ACTIVATIONS[spec.activation]
+    c.embedding_scale = spec.embedding_scale(engine.config.dtype)
+    c.sandwich_norms = spec.sandwich_norms
+    c.attention_scale = spec.attention_scale
+    c.attn_logit_softcap = spec.attn_logit_softcap or 0.0
+    c.final_logit_softcap = spec.final_logit_softcap or 0.0
     c.dtype = _WEIGHT_DTYPES[engine.config.dtype]
     if engine.config.quant.kv_cache is not None:
         engine.config.quant.kv_cache.load_cpu(c)

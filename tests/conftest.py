@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Tiny configs that between them cover GQA, tied and untied embeddings, sliding windows,
-# qkv bias, qk-norm and every RoPE scaling type precast supports.
+# qkv bias, qk-norm, every RoPE scaling type precast supports and Gemma's block.
 _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=128)
 # Phi-3 configs default pad/eos to 32000, outside the tiny vocabulary; the context was extended 4x (longrope).
 _PHI3 = dict(_COMMON, max_position_embeddings=1024, original_max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -150,6 +150,41 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
                 "beta_slow": 2.0,
                 "original_max_position_embeddings": 128,
                 "rope_theta": 1000000.0,
+            },
+        ),
+    ),
+    # gemma2: sandwich norms, gelu-tanh, sqrt(hidden) embedding scale, query_pre_attn_scalar != head_dim, attention and
+    # final logit soft-capping (low enough to bite), sliding window on layers 0 and 2, tied
+    "gemma2": (
+        "gemma2",
+        dict(
+            _COMMON,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=10.0,
+            max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
+    # gemma3: as gemma2 without soft-capping, with qk-norm, a global layer between two sliding ones and separate RoPE
+    # per layer kind (global: linear scaling on a 1e6 base; sliding: default on 1e4), untied
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            _COMMON,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            tie_word_embeddings=False,
+            max_position_embeddings=256,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
         ),
     ),

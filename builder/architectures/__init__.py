@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from precast.builder.architectures import llama, mistral, phi3, qwen2, qwen3
+from precast.builder.architectures import gemma, llama, mistral, phi3, qwen2, qwen3
 from precast.builder.architectures.common import Architecture
 from precast.errors import PrecastError
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (llama.ARCHITECTURE, mistral.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE, phi3.ARCHITECTURE)
+    a.name: a
+    for a in (
+        llama.ARCHITECTURE,
+        mistral.ARCHITECTURE,
+        qwen2.ARCHITECTURE,
+        qwen3.ARCHITECTURE,
+        phi3.ARCHITECTURE,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
+    )
 }
 
 

@@ -53,6 +53,9 @@ class Architecture:
     hf_classes: tuple[str, ...]  # config.json "architectures"
     to_spec: Callable[[dict[str, Any]], ModelSpec]
     weight_names: dict[str, tuple[str, ...]]
+    # Added to every RMSNorm weight when built (Gemma stores w for a norm that multiplies by 1 + w), so every
+    # backend runs one kind of norm: x / rms(x) * weight.
+    norm_weight_offset: float = 0.0
 
 
 def require(config: dict[str, Any], key: str, arch: str) -> Any:
@@ -66,10 +69,14 @@ def refuse_if(condition: bool, arch: str, what: str) -> None:
         raise PrecastError(f"{arch}: {what} is not supported by precast yet; the build stops rather than build a wrong model")
 
 
-def check_activation(config: dict[str, Any], arch: str) -> str:
-    act = config.get("hidden_act", "silu")
-    refuse_if(act != "silu", arch, f"hidden_act={act!r} (only 'silu' gated MLPs are supported)")
-    return act
+# HF activation names -> ModelSpec.activation
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def check_activation(config: dict[str, Any], arch: str, key: str = "hidden_act") -> str:
+    act = config.get(key, "silu")
+    refuse_if(act not in _ACTIVATIONS, arch, f"{key}={act!r} (supported gate activations: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[act]
 
 
 _ROPE_KEYS = {

@@ -6,7 +6,8 @@ Three translations make a GGUF look like the HF checkpoint it came from:
   leftover check (the layout is read by gguf_layout.py), and each tensor is dequantized on request (the `gguf` package's numpy
   kernels: Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16, F32 and more);
 - llama.cpp's converter reorders the rows of Q and K for the `llama` architecture (it
-  interleaves the two halves of each head for its rotary kernel); that is undone here.
+  interleaves the two halves of each head for its rotary kernel); that is undone here. For Gemma it
+  stores RMSNorm weights as 1 + w (its norm multiplies by them directly); 1 is taken off again.
 The tokenizer is rebuilt by `gguf_tokenizer.py`.
 """
 
@@ -30,7 +31,10 @@ GGUF_ARCHITECTURES = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+_GEMMA = {"gemma2", "gemma3"}
 
 # Architectures whose GGUF conversion permuted the rows of Q and K (llama.cpp's `llama` rotary layout).
 _PERMUTED_QK = {"llama", "mistral"}
@@ -48,6 +52,8 @@ _CONFIG_KEYS = {
     "attention.sliding_window": "sliding_window",
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
 
 # GGUF tensor name -> HF tensor name. `{i}` is the layer index.
@@ -72,15 +78,23 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 2/3 have four norms per layer; llama.cpp's ffn_norm is the one before the MLP.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -109,10 +123,10 @@ class GGUFCheckpoint(Checkpoint):
         rope_freqs = next((t for t in layout.tensors if t.name == "rope_freqs.weight"), None)
         tensors = [t for t in layout.tensors if t.name != "rope_freqs.weight"]  # RoPE divisors, not a weight
         gguf_names = [t.name for t in tensors]
-        unknown = [n for n in gguf_names if _hf_name(n) is None]
+        unknown = [n for n in gguf_names if _hf_name(n, arch) is None]
         if unknown:
             raise PrecastError(f"{path}: tensors precast does not know how to map: {', '.join(unknown[:10])}")
-        self._tensors = {_hf_name(t.name): t for t in tensors}
+        self._tensors = {_hf_name(t.name, arch): t for t in tensors}
         self.config = self._hf_config(set(gguf_names), tensors)
         if rope_freqs is not None:
             self.config["rope_scaling"] = self._llama3_scaling(rope_freqs)
@@ -166,10 +180,32 @@ class GGUFCheckpoint(Checkpoint):
             config["rope_scaling"] = rope
         if "sliding_window" in config and model_type in ("qwen2", "qwen3"):
             config["use_sliding_window"] = True
+        if arch in _GEMMA:
+            config.update(self._gemma_config(config))
         config["tie_word_embeddings"] = "output.weight" not in gguf_names
         config["bos_token_id"] = self.metadata.get("tokenizer.ggml.bos_token_id")
         config["eos_token_id"] = self.metadata.get("tokenizer.ggml.eos_token_id")
         return config
+
+    def _gemma_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp's Gemma exports leave out, as llama.cpp itself runs them: GELU-tanh; queries scaled by
+        head_dim^-0.5, except the 27B models (46 layers for Gemma 2, 62 for Gemma 3), scaled by (hidden / heads)^-0.5;
+        Gemma 3: every sixth layer global (unless the file says), the others sliding with RoPE base 10000."""
+        arch, layers = self.gguf_architecture, int(config["num_hidden_layers"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        big = layers == (46 if arch == "gemma2" else 62)
+        extra: dict[str, Any] = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else head_dim,
+        }
+        if arch == "gemma3":  # Gemma 2: soft-capping values are in the metadata (absent: 50 and 30, as both assume)
+            extra.update(rope_local_base_freq=10000.0, sliding_window_pattern=6)
+            pattern = self.metadata.get(f"{arch}.attention.sliding_window_pattern")
+            if isinstance(pattern, int):
+                extra["sliding_window_pattern"] = pattern
+            elif pattern is not None:  # one flag per layer: True slides
+                extra["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        return extra
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
@@ -198,6 +234,8 @@ class GGUFCheckpoint(Checkpoint):
             raise PrecastError(f"{self.path}: tensor {t.name} uses {t.tensor_type.name}, which cannot be dequantized ({e})") from e
         except ValueError as e:
             raise PrecastError(f"{self.path}: tensor {t.name} data does not match its shape {list(shape)}; the file may be corrupt") from e
+        if self.gguf_architecture in _GEMMA and name.endswith("norm.weight"):
+            w = w.astype(np.float32) - np.float32(1.0)
         if self.gguf_architecture in _PERMUTED_QK:
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 w = _unpermute_rows(w, self.config["num_attention_heads"])

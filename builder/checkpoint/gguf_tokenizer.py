@@ -7,7 +7,9 @@ pre-tokenizer (`tokenizer.ggml.pre`), which fixes how text is split before BPE. 
 - SentencePiece BPE (`"llama"`: Llama 2 and Mistral v1 exports, architecture llama): pieces spelled with "▁" for
   spaces, byte fallback through the `<0x..>` tokens, merges from the file or, as llama.cpp's exports usually have
   none, implied by the vocabulary and its scores (every split of a piece into two pieces, best-scored piece first).
-  Gemma's and Phi-3's SentencePiece variants differ in ways the file does not state and are refused.
+  Gemma's variant (architectures gemma2, gemma3) differs in three ways the file does not state: spaces become "▁"
+  by a normalizer with no prefix space, pieces made only of spaces are stored as spaces (spelled "▁" here), and
+  the implied merges follow the pieces' order in the file, not their scores. Phi-3's variant is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from precast.builder.checkpoint.base import TokenizerFiles
 from precast.errors import PrecastError
@@ -92,25 +94,45 @@ def _sentencepiece_bpe(
     metadata: dict[str, Any], tokens: list[str], merges: list[tuple[str, ...]], source: str
 ) -> tuple[Tokenizer, dict[str, int]]:
     arch = metadata.get("general.architecture")
-    if arch != "llama":
+    if arch not in _SENTENCEPIECE_ARCHITECTURES:
         raise PrecastError(
             f"{source}: a SentencePiece tokenizer for architecture {arch!r} is not rebuilt (its variant is not stated in "
-            "the file); build from the HF checkpoint, which carries tokenizer.json"
+            f"the file; precast knows {', '.join(_SENTENCEPIECE_ARCHITECTURES)}); build from the HF checkpoint, which "
+            "carries tokenizer.json"
         )
+    gemma = arch in _GEMMA
+    if gemma:
+        tokens = [_gemma_spelling(t) for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
     if not merges:
         scores = list(metadata.get("tokenizer.ggml.scores") or [])
+        if gemma:  # Gemma's scores do not rank its merges; the file's order does
+            scores = [-float(i) for i in range(len(tokens))]
         if len(scores) != len(tokens):
             raise PrecastError(f"{source}: a SentencePiece vocabulary of {len(tokens)} tokens needs as many scores, got {len(scores)}")
         merges = _merges_implied(vocab, dict(zip(tokens, scores)))
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id", 0)
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        return tok, vocab
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))  # a space before the text's first word
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
     return tok, vocab
+
+
+_GEMMA = ("gemma2", "gemma3")
+_SENTENCEPIECE_ARCHITECTURES = ("llama", *_GEMMA)
+
+
+def _gemma_spelling(token: str) -> str:
+    """llama.cpp writes Gemma's pieces of two or more spaces as spaces; the vocabulary spells them with "▁"."""
+    return "\u2581" * len(token) if len(token) > 1 and not token.strip(" ") else token
 
 
 def _merges_implied(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -140,7 +162,9 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> TokenizerFiles
         raise PrecastError(f"{source}: {len(tokens)} tokens but {len(token_types)} token types; the file is corrupt")
     tok, vocab = builders[kind](metadata, tokens, merges, source)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, token_types) if ty == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED])
+    # Only pieces of the vocabulary as spelled (a Gemma piece of spaces, respelled, is matched by BPE, not as added text).
+    user_defined = [t for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED and t in vocab]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
     def token(key: str) -> str | None:
         idx = metadata.get(f"tokenizer.ggml.{key}")

@@ -420,22 +420,39 @@ void rms_norm(const float* x, const float* weight, int num_rows, int dim, float 
   }
 }
 
-void silu_and_mul(const float* gate_up, int num_rows, int inter, float* out) {
+namespace {
+// The argument whose sigmoid, times g, is the activation: g for silu, 2z for gelu_tanh.
+inline float sigmoid_argument(float g, Activation act) {
+  return act == Activation::kSilu ? g : 2.0f * 0.7978845608028654f * (g + 0.044715f * g * g * g);
+}
+}  // namespace
+
+void gated_activation(const float* gate_up, int num_rows, int inter, Activation act, float* out) {
   for (int r = 0; r < num_rows; ++r) {
     const float* g = gate_up + int64_t(r) * 2 * inter;
     const float* u = g + inter;
     float* o = out + int64_t(r) * inter;
     int i = 0;
 #ifdef PRECAST_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= inter; i += 16) {  // a glibc expf per element cost more than the rest of the loop
       const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 sig =
-          _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(sig, _mm512_loadu_ps(u + i)));
+      __m512 arg = gv;
+      if (act == Activation::kGeluTanh) {
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+        arg = _mm512_mul_ps(_mm512_set1_ps(2.0f * 0.7978845608028654f),
+                            _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), cube, gv));
+      }
+      const __m512 y = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), arg))));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(y, _mm512_loadu_ps(u + i)));
     }
 #endif
-    for (; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-sigmoid_argument(g[i], act))) * u[i];
   }
+}
+
+void soft_cap(float* x, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);  // a division, as transformers computes it
 }
 
 void rope(float* x, int num_heads, int head_dim, int rotary_pairs, int position, const float* inv_freq, float scale) {

@@ -72,8 +72,15 @@ void matrix_row(const PackedMatrix& w, int row, float* out);
 // y = x / sqrt(mean(x^2) + eps) * weight, per row of `dim` values.
 void rms_norm(const float* x, const float* weight, int num_rows, int dim, float eps, float* y);
 
-// out[i] = silu(gate_up[i]) * gate_up[inter + i] per row; gate_up is [num_rows, 2 * inter].
-void silu_and_mul(const float* gate_up, int num_rows, int inter, float* out);
+// The gated MLP's gate activation (ModelSpec.activation).
+enum class Activation { kSilu, kGeluTanh };
+
+// out[i] = act(gate_up[i]) * gate_up[inter + i] per row; gate_up is [num_rows, 2 * inter].
+// silu(g) = g * sigmoid(g); gelu_tanh(g) = 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3).
+void gated_activation(const float* gate_up, int num_rows, int inter, Activation act, float* out);
+
+// x = cap * tanh(x / cap) for `n` values (Gemma 2's logit soft-capping).
+void soft_cap(float* x, int64_t n, float cap);
 
 // Rotary embedding in place on `num_heads` heads of `head_dim` starting at `x` (HF's
 // rotate-half layout): pair (j, j + head_dim / 2) rotated by position * inv_freq[j],

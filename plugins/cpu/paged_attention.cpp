@@ -5,6 +5,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels.h"
 #include "quantize.h"
 #include "vec_math.h"
 
@@ -166,7 +167,7 @@ inline float load1(const uint8_t* p) { return e4m3_div256(*p); }
 // One tile: the query rows of one sequence and kv head, scores for keys [base, end).
 template <class T>
 void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const std::vector<QueryRow>& rows,
-                    float scale, std::vector<KeyChunk>& chunks, std::vector<float>& scores,
+                    float scale, float softcap, std::vector<KeyChunk>& chunks, std::vector<float>& scores,
                     std::vector<float>& staged) {
   const int B = c.tokens_per_block, D = c.head_dim, R = int(rows.size());
   constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
@@ -194,8 +195,11 @@ void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const 
       qk_rows<T>(nr, c, g, staged.data(), chunks.data() + ci, int(std::min<size_t>(2, chunks.size() - ci)), base,
                  score_scale, scores.data() + size_t(r0) * width, width);
   }
-  for (int r = 0; r < R; ++r)
-    softmax_row(scores.data() + size_t(r) * width, width, rows[r].lo - base, rows[r].pos - base, value_scale);
+  for (int r = 0; r < R; ++r) {
+    float* s = scores.data() + size_t(r) * width;
+    if (softcap > 0) soft_cap(s + (rows[r].lo - base), rows[r].pos - rows[r].lo + 1, softcap);
+    softmax_row(s, width, rows[r].lo - base, rows[r].pos - base, value_scale);
+  }
   for (int r0 = 0; r0 < R; r0 += kPvRows) {
     const int nr = std::min(kPvRows, R - r0);
     staged.resize(size_t(width) * nr);
@@ -216,6 +220,7 @@ void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const 
         float acc = 0.0f;
         for (int d = 0; d < D; ++d) acc = std::fma(rows[r].q[d], load1(kt + int64_t(d) * B), acc);
         s[i] = acc * score_scale;
+        if (softcap > 0) soft_cap(s + i, 1, softcap);
         mx = std::max(mx, s[i]);
       }
     float lane_sum[kLanes] = {0};
@@ -260,7 +265,8 @@ void write_kv(const PagedKvLayer& cache, const int* block_table, int position, c
 }
 
 void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
-                     const float* q, int64_t q_stride, int num_heads, int window, float scale, float* out) {
+                     const float* q, int64_t q_stride, int num_heads, int window, float scale, float softcap,
+                     float* out) {
   // Work items are tiles: a few query tokens of one sequence times the heads sharing one kv
   // head (GQA), so each K/V element loaded serves every row of the tile. Causal attention
   // makes late tokens dearer than early ones; tiles are listed by token and dealt in zigzag
@@ -292,9 +298,9 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vec
           rows.push_back({q + row * q_stride + int64_t(h) * D, out + (row * num_heads + h) * D, lo, pos});
       }
       if (cache.fp8)
-        attention_tile<uint8_t>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores, staged);
+        attention_tile<uint8_t>(cache, tile.kv_head, seq.block_table, rows, scale, softcap, chunks, scores, staged);
       else
-        attention_tile<float>(cache, tile.kv_head, seq.block_table, rows, scale, chunks, scores, staged);
+        attention_tile<float>(cache, tile.kv_head, seq.block_table, rows, scale, softcap, chunks, scores, staged);
     }
   });
 }

@@ -56,7 +56,9 @@ struct AttentionSequence {
 void write_kv(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v);
 
 // out[t, h * head_dim ...] for every query token t and head h; q rows have `q_stride` floats.
+// Scores are q.k * scale, then softcap * tanh(score / softcap) when softcap > 0 (Gemma 2).
 void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
-                     const float* q, int64_t q_stride, int num_heads, int window, float scale, float* out);
+                     const float* q, int64_t q_stride, int num_heads, int window, float scale, float softcap,
+                     float* out);
 
 }  // namespace precast

@@ -19,14 +19,19 @@ import numpy as np
 from precast.engine.spec import ModelSpec
 
 
-def rope_parameters(spec: ModelSpec, max_seq_len: int | None = None) -> tuple[np.ndarray, float]:
+def rope_parameters(spec: ModelSpec, max_seq_len: int | None = None, local: bool = False) -> tuple[np.ndarray, float]:
     """(inv_freq as float32 [head_dim // 2], attention_factor) for this model; max_seq_len is the engine's (longrope
     picks its factors by it). Entries from rotary_dim // 2 on are zero: those pairs pass through unrotated.
+    `local`: the sliding-window layers' parameters, which differ only where spec.local_rope_theta is set (Gemma 3:
+    default RoPE on its own base); has_local_rope(spec) says whether they do.
 
     Computed in float64 and rounded once, so they can differ from float32 reference code
     by an ulp (tested to 1e-6 relative).
     """
-    inv_freq, attention = _rotary_parameters(spec, max_seq_len)
+    if local and spec.local_rope_theta is not None:
+        inv_freq, attention = _default_inv_freq(spec.local_rope_theta, spec.rotary_dim).astype(np.float32), 1.0
+    else:
+        inv_freq, attention = _rotary_parameters(spec, max_seq_len)
     padded = np.zeros(spec.head_dim // 2, dtype=np.float32)
     padded[: inv_freq.size] = inv_freq
     return padded, attention
@@ -43,10 +48,17 @@ def rotary_row_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     return np.concatenate([first, second])
 
 
+def has_local_rope(spec: ModelSpec) -> bool:
+    """Whether sliding-window layers rotate with other frequencies than the rest (Gemma 3)."""
+    return spec.local_rope_theta is not None and bool(spec.sliding_window_layers)
+
+
+def _default_inv_freq(base: float, dim: int) -> np.ndarray:
+    return 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+
+
 def _rotary_parameters(spec: ModelSpec, max_seq_len: int | None) -> tuple[np.ndarray, float]:
-    dim = spec.rotary_dim
-    base = spec.rope_theta
-    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    inv_freq = _default_inv_freq(spec.rope_theta, spec.rotary_dim)
     s = spec.rope_scaling
     if s is None:
         return inv_freq.astype(np.float32), 1.0

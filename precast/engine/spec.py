@@ -6,11 +6,14 @@ with the first architecture that needs it.
 
 The decoder it describes, per layer (pre-norm, residual):
 
-    h = x + o_proj(attention(rope(q_norm?(q)), rope(k_norm?(k)), v))   q,k,v = qkv(rms_norm(x))
+    h = x + post?(o_proj(attention(rope(q_norm?(q)), rope(k_norm?(k)), v)))   q,k,v = qkv(rms_norm(x))
         (rope rotates the first rotary_dim dims of each head; rope.py)
-    x = h + down(silu(gate(rms_norm(h))) * up(rms_norm(h)))
+    x = h + post?(down(act(gate(rms_norm(h))) * up(rms_norm(h))))
 
-then a final RMSNorm and the LM head (the embedding matrix itself when tied).
+with x = embedding * embedding_multiplier on entry, then a final RMSNorm, the LM head (the embedding
+matrix itself when tied) and optional logit soft-capping. `post?` are the sandwich norms (Gemma 2/3).
+Attention scores are q.k * attention_scale, soft-capped when attn_logit_softcap is set.
+Gemma's RMSNorm multiplies by (1 + w); the builder stores 1 + w, so every norm here is x / rms * w.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's gate activation; gelu_tanh: GELU's tanh approximation (Gemma)
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,19 @@ class RopeScaling:
     long_factor: tuple[float, ...] | None = None
 
 
+_OMITTED_WHEN_DEFAULT = (
+    "embedding_multiplier",
+    "sandwich_norms",
+    "query_scale",
+    "attn_logit_softcap",
+    "final_logit_softcap",
+    "local_rope_theta",
+)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    architecture: str  # the translator that made it: llama, mistral, qwen2, qwen3, phi3
+    architecture: str  # the translator that made it: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -60,7 +77,7 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     norm_eps: float  # every supported family uses RMSNorm
-    activation: str  # gate activation of the gated MLP; "silu" in every supported family
+    activation: str  # gate activation of the gated MLP: one of ACTIVATIONS
     rope_theta: float
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
@@ -72,6 +89,15 @@ class ModelSpec:
     # Leading dimensions of each q/k head that RoPE rotates (Phi-4-mini: 3/4 of head_dim); the rest pass through.
     # The builder stores q/k rows so that rotary pairs (j, j + rotary_dim/2) sit at (j, j + head_dim/2): see rope.py.
     rotary_dim: int = 0  # 0: head_dim
+    # Gemma: input embeddings scaled by sqrt(hidden_size). transformers multiplies in the weights' dtype, so a
+    # backend rounds it to the engine dtype first (embedding_scale below).
+    embedding_multiplier: float = 1.0
+    sandwich_norms: bool = False  # Gemma 2/3: post_attn_norm / post_mlp_norm on each block's output
+    query_scale: float | None = None  # scores scale instead of 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap), after scaling
+    final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    # Gemma 3: the sliding-window layers' RoPE base (default RoPE, no scaling); None: every layer uses rope_theta.
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -90,6 +116,14 @@ class ModelSpec:
                     raise ValueError(f"longrope {name} needs rotary_dim / 2 = {self.rotary_dim // 2} values, got {got}")
         if (self.sliding_window is None) != (len(self.sliding_window_layers) == 0):
             raise ValueError("sliding_window and sliding_window_layers must be set together")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        for name in ("query_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive when set, got {value}")
+        if not self.embedding_multiplier > 0:
+            raise ValueError(f"embedding_multiplier must be positive, got {self.embedding_multiplier}")
 
     @property
     def q_size(self) -> int:
@@ -99,13 +133,31 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def embedding_scale(self, dtype: str) -> float:
+        """embedding_multiplier as transformers applies it to weights of `dtype` (rounded to it)."""
+        numpy_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+        return float(np.asarray(self.embedding_multiplier, np.float32).astype(numpy_dtype).astype(np.float32))
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except the Gemma-era ones while they are off: engines of other families stay readable by
+        precast versions that predate those fields."""
+        data = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in _OMITTED_WHEN_DEFAULT and data[f.name] == f.default:
+                del data[f.name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         fields = {f.name for f in dataclasses.fields(cls)}
-        data = {"rotary_dim": data.get("head_dim", 0), **data}  # engines written before rotary_dim rotate all of head_dim
+        # Engines written before a field existed: rotary_dim rotated all of head_dim; the Gemma fields were off.
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        data = {**defaults, "rotary_dim": data.get("head_dim", 0), **data}
         unknown = set(data) - fields
         missing = fields - set(data)
         if unknown or missing:
@@ -125,6 +177,6 @@ class ModelSpec:
         layer += h * (self.q_size + 2 * self.kv_size) + self.q_size * h  # qkv, o
         layer += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         layer += 2 * self.head_dim if self.qk_norm else 0
-        layer += 3 * h * self.intermediate_size + 2 * h  # gate, up, down; two norms
+        layer += 3 * h * self.intermediate_size + (4 if self.sandwich_norms else 2) * h  # gate, up, down; norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head

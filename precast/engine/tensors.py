@@ -9,9 +9,11 @@ Canonical names and layouts (row-major, `out x in` for matrices, as HF stores th
     layers.{i}.attn.q_norm.weight     [head_dim]             (qk_norm)
     layers.{i}.attn.k_norm.weight     [head_dim]             (qk_norm)
     layers.{i}.attn.o.weight          [hidden, q]
+    layers.{i}.post_attn_norm.weight  [hidden]               (sandwich_norms)
     layers.{i}.mlp_norm.weight        [hidden]
     layers.{i}.mlp.gate_up.weight     [2 x intermediate, hidden]   rows: gate | up
     layers.{i}.mlp.down.weight        [hidden, intermediate]
+    layers.{i}.post_mlp_norm.weight   [hidden]               (sandwich_norms)
     final_norm.weight                 [hidden]
     lm_head.weight                    [vocab, hidden]        (absent when tied to embed.weight)
 
@@ -45,9 +47,13 @@ def engine_layout(spec: ModelSpec) -> dict[str, tuple[Shape, ...]]:
         layout["layers.{i}.attn.q_norm.weight"] = ((d,),)
         layout["layers.{i}.attn.k_norm.weight"] = ((d,),)
     layout["layers.{i}.attn.o.weight"] = ((h, q),)
+    if spec.sandwich_norms:
+        layout["layers.{i}.post_attn_norm.weight"] = ((h,),)
     layout["layers.{i}.mlp_norm.weight"] = ((h,),)
     layout["layers.{i}.mlp.gate_up.weight"] = ((inter, h), (inter, h))
     layout["layers.{i}.mlp.down.weight"] = ((h, inter),)
+    if spec.sandwich_norms:
+        layout["layers.{i}.post_mlp_norm.weight"] = ((h,),)
     layout["final_norm.weight"] = ((h,),)
     if not spec.tie_word_embeddings:
         layout["lm_head.weight"] = ((spec.vocab_size, h),)

@@ -22,9 +22,11 @@ new token sees the cache and the new tokens up to itself, and never the filler.
 
 Per layer: RMSNorm, q/k/v projections (the fused qkv weight split by rows; quantized layers
 dequantize their weights and quantize their input, fp8 static or nvfp4 dynamic), optional qkv
-bias and q/k RMSNorm, native rotary embedding, Q scaled by 1/sqrt(head_dim), native KV-cache
-updates, native attention, output projection, residual, RMSNorm, gated SiLU MLP, residual. Then
-the last token of each sampled slot is gathered, normed and projected to logits.
+bias and q/k RMSNorm, native rotary embedding (sliding-window layers with their own tables where
+the spec gives them a RoPE base of their own), Q scaled by the spec's attention scale, native KV-cache
+updates, native attention, output projection, (post-norm,) residual, RMSNorm, gated SiLU or
+GELU-tanh MLP, (post-norm,) residual. Then the last token of each sampled slot is gathered, normed
+and projected to logits (soft-capped where the spec says).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 
 from precast.engine.directory import Engine, EngineConfig
 from precast.engine.quant import LayerQuant
-from precast.engine.rope import rope_parameters
+from precast.engine.rope import has_local_rope, rope_parameters
 from precast.engine.spec import ModelSpec
 from precast.engine.tensors import head_name
 from precast.errors import PrecastError
@@ -79,6 +81,11 @@ def check_supported(config: EngineConfig, act_dtype: str) -> None:
         raise PrecastError(f"TensorRT activations must be one of {', '.join(ACTIVATION_DTYPES)}, got {act_dtype!r}")
     if limits.kv_cache_dtype == "fp8":
         raise PrecastError(FP8_KV_REFUSAL)
+    if spec.attn_logit_softcap is not None:
+        raise PrecastError(
+            f"{spec.architecture} soft-caps attention scores (attn_logit_softcapping={spec.attn_logit_softcap}), which "
+            "TensorRT's attention layer cannot express; build this model with --target cpu"
+        )
     if spec.sliding_window and spec.sliding_window < limits.max_seq_len:
         raise PrecastError(
             f"layers {list(spec.sliding_window_layers)} use a {spec.sliding_window}-token sliding window, which TensorRT's "
@@ -116,6 +123,34 @@ class DecoderLowering:
         w = self.const(name, weight.reshape((1,) * (rank - 1) + (-1,)))
         return ops.elementwise("prod", ops.elementwise("div", x, rms), w)
 
+    def soft_cap(self, x: Any, cap: float) -> Any:
+        """cap * tanh(x / cap)."""
+        rank, ops = len(x.shape), self.ops
+        return ops.elementwise(
+            "prod", ops.unary("tanh", ops.elementwise("div", x, self.scalar(cap, self.act, rank))), self.scalar(cap, self.act, rank)
+        )
+
+    def gated_activation(self, gate: Any, up: Any) -> Any:
+        """act(gate) * up; both activations are gate * sigmoid(a): a = gate (silu), a = 2 sqrt(2/pi) (gate +
+        0.044715 gate^3) (gelu_tanh: 0.5 (1 + tanh(z)) = sigmoid(2z))."""
+        ops, rank = self.ops, len(gate.shape)
+        arg = gate
+        if self.spec.activation == "gelu_tanh":
+            cube = ops.elementwise("prod", ops.elementwise("prod", gate, gate), gate)
+            inner = ops.elementwise("sum", gate, ops.elementwise("prod", cube, self.scalar(0.044715, self.act, rank)))
+            arg = ops.elementwise("prod", inner, self.scalar(2.0 * math.sqrt(2.0 / math.pi), self.act, rank))
+        return ops.elementwise("prod", ops.elementwise("prod", gate, ops.sigmoid(arg)), up)
+
+    def rope_tables(self, local: bool) -> tuple[Any, Any]:
+        """cos and sin [cache_len, head_dim / 2] for every position (float32 angles, as the CPU runner)."""
+        spec = self.spec
+        inv_freq, attention_factor = rope_parameters(spec, self.engine.config.limits.max_seq_len, local=local)
+        angles = np.arange(self.shape.cache_len, dtype=np.float32)[:, None] * inv_freq[None, :]
+        cos_table, sin_table = np.cos(angles) * np.float32(attention_factor), np.sin(angles) * np.float32(attention_factor)
+        cos_table[:, spec.rotary_dim // 2 :], sin_table[:, spec.rotary_dim // 2 :] = 1.0, 0.0  # partial rotary: pass through
+        tag = "rope.local" if local else "rope"
+        return self.const(f"{tag}.cos", cos_table), self.const(f"{tag}.sin", sin_table)
+
     def weight(self, layer: str, rows: slice) -> Any:
         """W[rows] of an engine layer in activation dtype: a constant, or the dequantized stored values
         (made once: a tied embedding serves both the gather and the LM head)."""
@@ -152,12 +187,10 @@ class DecoderLowering:
         kv_lengths = ops.input("kv_lengths", "int32", (S,))
         last_token_ids = ops.input("last_token_ids", "int32", (-1,))
 
-        inv_freq, attention_factor = rope_parameters(spec, self.engine.config.limits.max_seq_len)
-        angles = np.arange(shape.cache_len, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32, as the CPU runner
-        cos_table, sin_table = np.cos(angles) * np.float32(attention_factor), np.sin(angles) * np.float32(attention_factor)
-        cos_table[:, spec.rotary_dim // 2 :], sin_table[:, spec.rotary_dim // 2 :] = 1.0, 0.0  # partial rotary: pass through
-        cos, sin = self.const("rope.cos", cos_table), self.const("rope.sin", sin_table)
-        q_scale = self.scalar(1.0 / math.sqrt(D), act, 4)
+        rope = {False: self.rope_tables(local=False)}
+        if has_local_rope(spec):
+            rope[True] = self.rope_tables(local=True)
+        q_scale = self.scalar(spec.attention_scale, act, 4)
         read = self.engine.weights.read
 
         def heads(t: Any, n: int) -> Any:  # [S * step, n * D] -> [S, n, step, D]
@@ -165,6 +198,8 @@ class DecoderLowering:
 
         # The residual stream is 2-D, [S * step, hidden]: every linear layer is one matrix product.
         x = ops.gather(self.weight("embed", slice(0, spec.vocab_size)), ops.reshape(input_ids, (-1,)), axis=0)
+        if spec.embedding_multiplier != 1.0:
+            x = ops.elementwise("prod", x, self.scalar(spec.embedding_scale(self.engine.config.dtype), act, 2))
         q_rows, kv_rows = spec.q_size, spec.kv_size
         for i in range(spec.num_layers):
             p = f"layers.{i}."
@@ -178,6 +213,7 @@ class DecoderLowering:
                 for n, count in (("q", H), ("k", KVH)):
                     normed = self.rms_norm(ops.reshape(qkv[n], (0, count, D)), read(f"{p}attn.{n}_norm.weight"), f"{p}attn.{n}_norm")
                     qkv[n] = ops.reshape(normed, (0, count * D))
+            cos, sin = rope[i in spec.sliding_window_layers and has_local_rope(spec)]
             q = ops.elementwise("prod", ops.rotary(heads(qkv["q"], H), cos, sin, position_ids), q_scale)
             new = {"k": ops.rotary(heads(qkv["k"], KVH), cos, sin, position_ids), "v": heads(qkv["v"], KVH)}
             caches = {}
@@ -187,16 +223,23 @@ class DecoderLowering:
                 ops.output(f"{kind}_cache_out.{i}", caches[kind])
             attn = ops.attention(q, caches["k"], caches["v"], kv_lengths)  # [S, H, step, D]
             attn = ops.reshape(ops.transpose(attn, (0, 2, 1, 3)), (-1, H * D))
-            x = ops.elementwise("sum", x, self.linear(attn, p + "attn.o", [slice(0, hidden)])[0])
+            out = self.linear(attn, p + "attn.o", [slice(0, hidden)])[0]
+            if spec.sandwich_norms:
+                out = self.rms_norm(out, read(p + "post_attn_norm.weight"), p + "post_attn_norm")
+            x = ops.elementwise("sum", x, out)
             h = self.rms_norm(x, read(p + "mlp_norm.weight"), p + "mlp_norm")
             inter = spec.intermediate_size
             gate, up = self.linear(h, p + "mlp.gate_up", [slice(0, inter), slice(inter, 2 * inter)])
-            act_out = ops.elementwise("prod", ops.elementwise("prod", gate, ops.sigmoid(gate)), up)
-            x = ops.elementwise("sum", x, self.linear(act_out, p + "mlp.down", [slice(0, hidden)])[0])
+            out = self.linear(self.gated_activation(gate, up), p + "mlp.down", [slice(0, hidden)])[0]
+            if spec.sandwich_norms:
+                out = self.rms_norm(out, read(p + "post_mlp_norm.weight"), p + "post_mlp_norm")
+            x = ops.elementwise("sum", x, out)
 
         last = ops.gather(x, last_token_ids, axis=0)  # [N, hidden]
         normed = self.rms_norm(last, read("final_norm.weight"), "final_norm")
         logits = self.linear(normed, head_name(spec), [slice(0, spec.vocab_size)])[0]
+        if spec.final_logit_softcap is not None:
+            logits = self.soft_cap(logits, spec.final_logit_softcap)
         ops.output("logits", logits if act == "float32" else ops.cast(logits, "float32"))
 
 

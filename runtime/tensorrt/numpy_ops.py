@@ -93,11 +93,12 @@ class NumpyOps:
         return self._out(kind, fn(a.value, b.value), dtype)
 
     def unary(self, kind: str, x: NpTensor) -> NpTensor:
-        fn = {"sqrt": np.sqrt, "exp": np.exp, "recip": np.reciprocal}[kind]
+        fn = {"sqrt": np.sqrt, "exp": np.exp, "recip": np.reciprocal, "tanh": np.tanh}[kind]
         return self._out(kind, fn(x.value), x.dtype)
 
     def sigmoid(self, x: NpTensor) -> NpTensor:
-        return self._out("sigmoid", 1.0 / (1.0 + np.exp(-x.value)), x.dtype)
+        with np.errstate(over="ignore"):  # exp overflows to inf for large negative x: the sigmoid is 0, as intended
+            return self._out("sigmoid", 1.0 / (1.0 + np.exp(-x.value)), x.dtype)
 
     def reduce_mean(self, x: NpTensor, axis: int) -> NpTensor:
         return self._out("reduce_mean", x.value.mean(axis=axis, keepdims=True, dtype=np.float32), x.dtype)

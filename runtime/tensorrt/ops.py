@@ -21,7 +21,7 @@ import numpy as np
 
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")
 ELEMENTWISE = ("sum", "prod", "sub", "div", "max")
-UNARY = ("sqrt", "exp", "recip")
+UNARY = ("sqrt", "exp", "recip", "tanh")
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class TrtOps:
         return self._out(kind, self.network.add_elementwise(a, b, getattr(self.trt.ElementWiseOperation, op)), "")
 
     def unary(self, kind: str, x: Any) -> Any:
-        op = {"sqrt": "SQRT", "exp": "EXP", "recip": "RECIP"}[kind]
+        op = {"sqrt": "SQRT", "exp": "EXP", "recip": "RECIP", "tanh": "TANH"}[kind]
         return self._out(kind, self.network.add_unary(x, getattr(self.trt.UnaryOperation, op)), "")
 
     def sigmoid(self, x: Any) -> Any:

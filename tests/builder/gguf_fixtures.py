@@ -113,3 +113,64 @@ def write_tiny_llama_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_tiny_gemma_gguf(path: Path, arch: str, vocabulary: tuple[list[str], list[float], list[int]], seed: int = 0) -> None:
+    """A Gemma 2 (2 layers) or Gemma 3 (6 layers: the sixth global) GGUF as llama.cpp exports one: hidden 64, 2 heads,
+    1 KV head of head_dim 256 (so llama.cpp's and transformers' default query scale agree), ffn 128, tied
+    embeddings, four norms per layer stored as 1 + w, no Q/K row permutation, a SentencePiece vocabulary."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens, scores, token_types = vocabulary
+    hidden, heads, kv_heads, head_dim, ffn, vocab = 64, 2, 1, 256, 128, len(tokens)
+    layers = 2 if arch == "gemma2" else 6
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(8)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    else:
+        w.add_rope_freq_base(1000000.0)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(8.0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(token_types)
+    w.add_pad_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    tensors = {"token_embd.weight": rng.standard_normal((vocab, hidden)), "output_norm.weight": 1 + 0.5 * rng.standard_normal(hidden)}
+    for i in range(layers):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            tensors[p + norm + ".weight"] = 1 + 0.5 * rng.standard_normal(hidden)
+        if arch == "gemma3":
+            tensors[p + "attn_q_norm.weight"] = 1 + 0.5 * rng.standard_normal(head_dim)
+            tensors[p + "attn_k_norm.weight"] = 1 + 0.5 * rng.standard_normal(head_dim)
+        tensors[p + "attn_q.weight"] = rng.standard_normal((heads * head_dim, hidden)) * 0.2
+        tensors[p + "attn_k.weight"] = rng.standard_normal((kv_heads * head_dim, hidden)) * 0.2
+        tensors[p + "attn_v.weight"] = rng.standard_normal((kv_heads * head_dim, hidden)) * 0.2
+        tensors[p + "attn_output.weight"] = rng.standard_normal((hidden, heads * head_dim)) * 0.2
+        tensors[p + "ffn_gate.weight"] = rng.standard_normal((ffn, hidden)) * 0.2
+        tensors[p + "ffn_up.weight"] = rng.standard_normal((ffn, hidden)) * 0.2
+        tensors[p + "ffn_down.weight"] = rng.standard_normal((hidden, ffn)) * 0.2
+    for name, array in tensors.items():
+        w.add_tensor(name, np.asarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -30,14 +30,27 @@ GLOBAL_PARTS = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight"
 
 # Phi-3 checkpoints store q|k|v and gate|up fused already.
 FUSED_PARTS = {"attn.qkv.weight": ["self_attn.qkv_proj.weight"], "mlp.gate_up.weight": ["mlp.gate_up_proj.weight"]}
+# Gemma 2/3 name four norms per layer; their norms multiply by 1 + w, and the engine stores 1 + w.
+SANDWICH_PARTS = {
+    "post_attn_norm.weight": ["post_attention_layernorm.weight"],
+    "mlp_norm.weight": ["pre_feedforward_layernorm.weight"],
+    "post_mlp_norm.weight": ["post_feedforward_layernorm.weight"],
+}
 
 
 def hf_reference(state: dict[str, torch.Tensor], name: str, spec: ModelSpec | None = None) -> np.ndarray:
+    gemma = "model.layers.0.pre_feedforward_layernorm.weight" in state
+    offset = np.float32(1.0) if gemma and name.endswith("norm.weight") else np.float32(0.0)
     if name in GLOBAL_PARTS:
-        return state[GLOBAL_PARTS[name]].numpy()
+        return state[GLOBAL_PARTS[name]].numpy() + offset
     _, layer, rest = name.split(".", 2)
-    parts = FUSED_PARTS.get(rest, HF_PARTS[rest]) if f"model.layers.{layer}.self_attn.qkv_proj.weight" in state else HF_PARTS[rest]
-    array = np.concatenate([state[f"model.layers.{layer}.{p}"].numpy() for p in parts], axis=0)
+    if gemma and rest in SANDWICH_PARTS:
+        parts = SANDWICH_PARTS[rest]
+    elif f"model.layers.{layer}.self_attn.qkv_proj.weight" in state:
+        parts = FUSED_PARTS.get(rest, HF_PARTS[rest])
+    else:
+        parts = HF_PARTS[rest]
+    array = np.concatenate([state[f"model.layers.{layer}.{p}"].numpy() for p in parts], axis=0) + offset
     if spec is not None and spec.rotary_dim < spec.head_dim and rest == "attn.qkv.weight":
         # partial rotary: each q/k head's rows reordered so rotary pairs sit head_dim/2 apart (engine/rope.py)
         order = rotary_row_order(spec.head_dim, spec.rotary_dim)
@@ -54,6 +67,8 @@ EXPECTED_FEATURES = {
     "qwen3": dict(qkv_bias=False, qk_norm=True, sliding_window=None, tie_word_embeddings=False, num_kv_heads=2, rope="yarn"),
     "phi3": dict(qkv_bias=False, qk_norm=False, sliding_window=24, tie_word_embeddings=False, num_kv_heads=2, rope="longrope"),
     "phi4mini": dict(qkv_bias=False, qk_norm=False, sliding_window=None, tie_word_embeddings=True, num_kv_heads=1, rope="longrope"),
+    "gemma2": dict(qkv_bias=False, qk_norm=False, sliding_window=8, tie_word_embeddings=True, num_kv_heads=2, rope=None),
+    "gemma3": dict(qkv_bias=False, qk_norm=True, sliding_window=8, tie_word_embeddings=False, num_kv_heads=1, rope="linear"),
 }
 
 
@@ -81,11 +96,15 @@ def test_build_and_reload_fp32(name, tiny_checkpoints, tmp_path):
         np.testing.assert_array_equal(engine.weights.read(tensor_name), want_tensor, err_msg=tensor_name)
     # The engine's RoPE frequencies are the ones transformers uses (zero beyond a partial rotary dimension; longrope:
     # its short factors, which transformers' buffer holds; tests/runtime/test_model_vs_hf.py checks the long ones).
-    inv_freq, attention_factor = rope_parameters(spec)
-    theirs = model.model.rotary_emb.inv_freq.numpy()
-    assert spec.rotary_dim == 2 * theirs.size and not inv_freq[theirs.size :].any()
-    np.testing.assert_allclose(inv_freq[: theirs.size], theirs, rtol=1e-6)
-    assert attention_factor == pytest.approx(model.model.rotary_emb.attention_scaling)
+    # Gemma 3: one RoPE per layer kind (full_attention_inv_freq, sliding_attention_inv_freq).
+    rotary = model.model.rotary_emb
+    kinds = [("", False)] if hasattr(rotary, "inv_freq") else [("full_attention_", False), ("sliding_attention_", True)]
+    for prefix, local in kinds:
+        inv_freq, attention_factor = rope_parameters(spec, local=local)
+        theirs = getattr(rotary, prefix + "inv_freq").numpy()
+        assert spec.rotary_dim == 2 * theirs.size and not inv_freq[theirs.size :].any()
+        np.testing.assert_allclose(inv_freq[: theirs.size], theirs, rtol=1e-6)
+        assert attention_factor == pytest.approx(getattr(rotary, prefix + "attention_scaling"))
     # Sliding-window layers are the ones transformers applies the window to.
     layer_types = getattr(model.config, "layer_types", None)
     if layer_types is not None:
@@ -136,3 +155,28 @@ def test_qwen2_without_use_sliding_window_ignores_window_value():
     config.pop("layer_types", None)
     spec = find_architecture(config).to_spec(config)
     assert spec.sliding_window is None and spec.sliding_window_layers == ()
+
+
+def test_gemma_configs_written_before_transformers_5_read_the_same():
+    """Older Gemma 3 configs: rope_theta + rope_scaling for global layers, rope_local_base_freq, sliding_window_pattern
+    instead of layer_types; older Gemma 2 configs: no layer_types (every other layer slides, from layer 0)."""
+    new = dict(TINY_CONFIGS["gemma3"][1], architectures=["Gemma3ForCausalLM"], num_hidden_layers=7)
+    new["layer_types"] = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(7)]
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(
+        rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=10000.0, sliding_window_pattern=3
+    )
+    arch = find_architecture(new)
+    assert arch.to_spec(old) == arch.to_spec(new)
+    assert arch.to_spec(new).sliding_window_layers == (0, 1, 3, 4, 6)
+    gemma2 = dict(TINY_CONFIGS["gemma2"][1], architectures=["Gemma2ForCausalLM"])
+    assert find_architecture(gemma2).to_spec(gemma2).sliding_window_layers == (0, 2)
+
+
+@pytest.mark.parametrize("hidden", [64, 640, 2304, 3840])
+@pytest.mark.parametrize("dtype,torch_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_gemma_embedding_scale_is_rounded_like_transformers(hidden, dtype, torch_dtype):
+    """transformers multiplies embeddings by sqrt(hidden) cast to the weights' dtype (bf16: 25.298 -> 25.25 for 640)."""
+    config = dict(TINY_CONFIGS["gemma2"][1], architectures=["Gemma2ForCausalLM"], hidden_size=hidden)
+    spec = find_architecture(config).to_spec(config)
+    assert spec.embedding_scale(dtype) == torch.tensor(hidden**0.5).to(torch_dtype).item()

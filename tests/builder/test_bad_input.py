@@ -340,7 +340,9 @@ def test_gguf_of_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(PrecastError, match="GGUF architecture 'falcon' is not supported; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(
+        PrecastError, match="GGUF architecture 'falcon' is not supported; supported: gemma2, gemma3, llama, mistral, qwen2, qwen3"
+    ):
         open_checkpoint(tmp_path / "m.gguf")
 
 
@@ -356,4 +358,33 @@ def test_length_limits(ckpt, tmp_path):
         build(ckpt, tmp_path / "engine", max_batch_size=64, max_num_tokens=8)
     with pytest.raises(PrecastError, match="power of two"):
         build(ckpt, tmp_path / "engine", tokens_per_block=24)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name,edit,message",
+    [
+        ("gemma2", lambda c: c.update(hidden_activation="gelu"), "hidden_activation='gelu'.*supported gate activations"),
+        ("gemma2", lambda c: c.update(layer_types=["chunked_attention"] * 3), r"layer_types \['chunked_attention'\]"),
+        ("gemma3", lambda c: c.update(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+        ("gemma3", lambda c: c.update(attn_logit_softcapping=50.0), "gemma3: attn_logit_softcapping is not supported"),
+        (
+            "gemma3",
+            lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
+            "RoPE scaling 'linear' on the sliding-window layers",
+        ),
+        (
+            "gemma3",
+            lambda c: c.update(architectures=["Gemma3ForConditionalGeneration"]),
+            "Gemma3ForConditionalGeneration is not supported.*Gemma3ForCausalLM",
+        ),
+    ],
+)
+def test_gemma_configs_precast_cannot_run_are_refused(name, edit, message, tiny_checkpoints, tmp_path):
+    ckpt = Path(shutil.copytree(tiny_checkpoints[name], tmp_path / "ckpt"))
+    config = json.loads((ckpt / "config.json").read_text())
+    edit(config)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PrecastError, match=message):
+        build(ckpt, tmp_path / "engine")
     assert_nothing_left(tmp_path)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from precast.builder.build import BuildOptions, build_engine
 from precast.builder.checkpoint import open_checkpoint
 from precast.engine.directory import load_engine
-from tests.builder.gguf_fixtures import write_tiny_llama_gguf
+from tests.builder.gguf_fixtures import write_tiny_gemma_gguf, write_tiny_llama_gguf
 
 QUANT_MIX = {
     "token_embd.weight": "Q8_0",
@@ -222,3 +223,67 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
         ids = ours.encode(text, add_special_tokens=False)
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
     assert ours.encode("hi")[0] == 1  # BOS added: llama.cpp's default for a SentencePiece vocabulary
+
+
+def gemma_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """A Gemma-style SentencePiece vocabulary as llama.cpp exports one: <pad>, <eos>, <bos>, <unk>, two turn markers,
+    the byte pieces, pieces of 2 and 3 spaces stored as spaces (one of them user-defined), learned pieces; scores
+    that do not follow the pieces' order (Gemma's merges follow the order)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    learner = SentencePieceBPETokenizer()
+    learner.train_from_iterator([SPM_TEXT.replace(". ", ".  ")], vocab_size=420, min_frequency=2, show_progress=False)
+    learned = [t for t, _ in sorted(learner.get_vocab().items(), key=lambda kv: kv[1]) if t.strip("\u2581") or len(t) == 1]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += ["  ", "   "] + [t for t in learned if t not in tokens]
+    types = [3, 3, 3, 2, 3, 3] + [6] * 256 + [1, 4] + [1] * (len(tokens) - 264)
+    scores = np.random.default_rng(1).uniform(-100, 0, len(tokens)).tolist()
+    return tokens, scores, types
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_reads_and_runs_as_transformers_reads_it(arch, tmp_path):
+    """llama.cpp's Gemma layout (four norms stored as 1 + w, no Q/K permutation, Gemma 3's local RoPE and linear
+    scaling) becomes the model transformers makes of the file: same tensors, same logits, same tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from precast.runtime.cpu_backend import make_cpu_runner
+    from precast.runtime.tokenizer import Tokenizer
+
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gemma_gguf(path, arch, gemma_vocabulary())
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    if arch == "gemma3":  # transformers' GGUF config reading drops the file's rope.scaling (llama.cpp applies it)
+        config.rope_parameters["full_attention"].update(rope_type="linear", factor=8.0)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, config=config, dtype=torch.float32).eval()
+    state = model.state_dict()
+    ckpt = open_checkpoint(path)
+    for name in ckpt.tensor_names():
+        np.testing.assert_array_equal(ckpt.read(name), state[name].numpy(), err_msg=name)
+    build_engine(BuildOptions(path, tmp_path / "engine", max_seq_len=64, progress=False))
+    engine = load_engine(tmp_path / "engine")
+    spec = engine.config.model
+    assert spec.architecture == arch and spec.sandwich_norms and spec.activation == "gelu_tanh"
+    if arch == "gemma3":
+        assert spec.sliding_window_layers == (0, 1, 2, 3, 4) and spec.local_rope_theta == 10000.0 and spec.rope_scaling.factor == 8.0
+    else:
+        assert spec.attn_logit_softcap == 50.0 and spec.final_logit_softcap == 30.0
+    prompt = np.random.default_rng(2).integers(0, spec.vocab_size, 20).tolist()
+    ours = np.asarray(make_cpu_runner(engine, num_threads=2).evaluate(prompt, True)).reshape(len(prompt), -1)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(ours, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    tokenizer = Tokenizer(engine)
+    for text in [
+        "The quick brown fox.  Two spaces,   three,    four",
+        "  leading spaces and a trailing one ",
+        "<start_of_turn>user\nNumbers 12345<end_of_turn>\n",
+        "unicode é 漢字 🙂 falls back to bytes",
+        "",
+    ]:
+        assert tokenizer.encode(text) == theirs.encode(text), text
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert tokenizer.encode("hi")[0] == 2  # <bos>

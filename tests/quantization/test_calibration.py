@@ -30,7 +30,7 @@ def whole_model_stats(engine) -> dict[str, dict]:
     return recorder.take_stats()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_layer_at_a_time_statistics_equal_whole_model_passes(tiny_engines, family):
     engine = load_engine(tiny_engines[family])
     expected = whole_model_stats(engine)

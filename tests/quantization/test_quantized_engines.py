@@ -89,6 +89,16 @@ def hf_twin(engine, checkpoint):
         "attn.o.weight": "self_attn.o_proj.weight",
         "mlp.down.weight": "mlp.down_proj.weight",
     }
+    gemma = spec.sandwich_norms  # four norms per layer, each multiplying by 1 + w (the engine stores 1 + w)
+    if gemma:
+        simple.update(
+            {
+                "post_attn_norm.weight": "post_attention_layernorm.weight",
+                "mlp_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_mlp_norm.weight": "post_feedforward_layernorm.weight",
+            }
+        )
+        state = {n: t - 1.0 if n.endswith("norm.weight") else t for n, t in state.items()}
     for name, t in state.items():
         if name == "embed.weight":
             hf_state["model.embed_tokens.weight"] = t
@@ -143,6 +153,10 @@ CASES = [
     ("phi4mini", "fp8", True),
     ("phi3", "nvfp4", False),
     ("phi4mini", "int4_awq", False),
+    ("gemma2", "fp8", True),
+    ("gemma2", "int4_awq", False),
+    ("gemma3", "nvfp4", True),
+    ("gemma3", "int4_awq", False),
 ]
 
 
@@ -167,7 +181,7 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
     assert engine.weights.tensors["layers.0.mlp.down.weight"].dtype == stored
     if recipe == "int4_awq":
         shapes = linear_shapes(engine.config.model)
-        assert all(entry["group_size"] == {64: 64, 96: 32}[shapes[layer][1]] for layer, entry in q["layers"].items())
+        assert all(entry["group_size"] == {64: 64, 96: 32, 128: 128}[shapes[layer][1]] for layer, entry in q["layers"].items())
         assert any(entry["awq"] for entry in q["layers"].values())
     runner = make_cpu_runner(engine, num_threads=2)
     ours = runner.evaluate(PROMPT, True)

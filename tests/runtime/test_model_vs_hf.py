@@ -113,15 +113,16 @@ def test_float16_engine_matches_hf_on_the_same_weights(tiny_checkpoints, tmp_pat
     check_first_step_logprobs(ours, first)
 
 
-@pytest.mark.parametrize("tokens_per_block", [1, 4, 16])
-def test_small_kv_blocks_and_chunked_prefill_match_hf_exactly(tokens_per_block, tiny_checkpoints, tmp_path):
+# mistral: a sliding window on every layer, GQA; gemma2: soft-capped scores in windowed and global layers; gemma3:
+# sliding and global layers rotating with different RoPE tables.
+@pytest.mark.parametrize("name,tokens_per_block", [("mistral", 1), ("mistral", 4), ("mistral", 16), ("gemma2", 4), ("gemma3", 1)])
+def test_small_kv_blocks_and_chunked_prefill_match_hf_exactly(name, tokens_per_block, tiny_checkpoints, tmp_path):
     """Attention tiles keys per cache block and queries per prefill chunk; neither may change a result:
     the same log-probabilities as one roomy prefill, bit for bit, and HF's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from precast.builder.build import BuildOptions, build_engine
 
-    name = "mistral"  # sliding window of 8 tokens on some layers, GQA
     build_engine(
         BuildOptions(
             tiny_checkpoints[name],

@@ -125,7 +125,9 @@ def test_refusals_name_what_cannot_be_lowered(tiny_checkpoints, tmp_path):
         )
     with pytest.raises(PrecastError, match="16-token sliding window.*--max-seq-len 16"):
         build_engine(BuildOptions(tiny_checkpoints["mistral"], tmp_path / "b", targets=("tensorrt",), **SMALL))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing half-written
+    with pytest.raises(PrecastError, match="gemma2 soft-caps attention scores.*--target cpu"):
+        build_engine(BuildOptions(tiny_checkpoints["gemma2"], tmp_path / "c", targets=("tensorrt",), **dict(SMALL, max_seq_len=8)))
+    assert not any((tmp_path / d).exists() for d in "abc")  # nothing half-written
 
 
 def test_no_tensorrt_builder_says_what_to_install(tiny_checkpoints, tmp_path, monkeypatch):
@@ -220,3 +222,12 @@ def test_phi3_family_plan_builds(tiny_checkpoints, tmp_path):
     build_engine(BuildOptions(tiny_checkpoints["phi4mini"], out, dtype="bfloat16", targets=("cpu", "tensorrt"), **SMALL))
     engine = load_engine(out)
     assert engine.config.model.rotary_dim == 12 and (out / PLAN_FILE).stat().st_size == engine.config.targets["tensorrt"]["plan_bytes"]
+
+
+def test_gemma3_plan_builds(tiny_checkpoints, tmp_path):
+    """Gemma 3's block (sandwich norms, GELU-tanh, qk-norm, two RoPE tables, embedding scale) builds a real plan; its
+    8-token window fits an engine of 8 positions, where the window never applies."""
+    out = tmp_path / "engine"
+    build_engine(BuildOptions(tiny_checkpoints["gemma3"], out, dtype="bfloat16", targets=("cpu", "tensorrt"), **dict(SMALL, max_seq_len=8)))
+    engine = load_engine(out)
+    assert engine.config.model.sandwich_norms and (out / PLAN_FILE).stat().st_size == engine.config.targets["tensorrt"]["plan_bytes"]
