@@ -17,6 +17,28 @@ def _size(num_bytes: float) -> str:
     raise AssertionError
 
 
+def _block_extras(m: dict) -> str:
+    """What a family adds to the plain block: a mixture of experts, Gemma's norms, scales and caps."""
+    extras = []
+    if m.get("num_experts"):
+        shared = f", shared expert of {m['shared_expert_intermediate_size']}" if m.get("shared_expert_intermediate_size") else ""
+        renorm = " renormalised" if m.get("moe_renormalize") else ""
+        extras.append(
+            f"mixture of {m['num_experts']} experts of {m['moe_intermediate_size']} in {len(m['moe_layers'])} layers, "
+            f"top {m['experts_per_token']}{renorm}{shared}"
+        )
+    if m.get("sandwich_norms"):
+        extras.append("sandwich norms")
+    if m.get("embedding_multiplier", 1.0) != 1.0:
+        extras.append(f"embeddings x {m['embedding_multiplier']:g}")
+    if m.get("query_scale"):
+        extras.append(f"scores x {m['query_scale']:g}")
+    for key, what in (("attn_logit_softcap", "scores"), ("final_logit_softcap", "logits")):
+        if m.get(key):
+            extras.append(f"{what} soft-capped at {m[key]:g}")
+    return "; " + ", ".join(extras) if extras else ""
+
+
 def engine_summary(engine: Engine) -> dict[str, object]:
     """The facts `inspect` prints, as data (also used by tests and `--json`)."""
     cfg = engine.config
@@ -29,6 +51,7 @@ def engine_summary(engine: Engine) -> dict[str, object]:
         "path": str(engine.path),
         "architecture": spec.architecture,
         "parameters": params,
+        "active_parameters": spec.num_parameters(active=True),  # per token: a mixture's routed experts only
         "bytes_by_dtype": dict(by_dtype),
         "model": spec.to_dict(),
         "dtype": cfg.dtype,
@@ -72,12 +95,15 @@ def format_summary(s: dict[str, object]) -> str:
     lines = [
         f"engine         {s['path']}",
         f"architecture   {s['architecture']}",
-        f"parameters     {s['parameters']:,}",
+        f"parameters     {s['parameters']:,}"
+        + (f" ({s['active_parameters']:,} active per token)" if s["active_parameters"] != s["parameters"] else ""),
         f"shape          {m['num_layers']} layers, hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, "
         f"vocab {m['vocab_size']}",
         f"attention      {m['num_heads']} heads, {m['num_kv_heads']} kv heads, head_dim {m['head_dim']}, "
         f"qkv bias {m['qkv_bias']}, qk-norm {m['qk_norm']}, sliding window {window}",
-        f"rope           theta {m['rope_theta']:g}, scaling {rope}, context {m['max_position_embeddings']}",
+        f"mlp            gated {m['activation']}" + _block_extras(m),
+        f"rope           theta {m['rope_theta']:g}, scaling {rope}, context {m['max_position_embeddings']}"
+        + (f"; sliding layers theta {m['local_rope_theta']:g}" if m.get("local_rope_theta") else ""),
         f"tied embedding {m['tie_word_embeddings']}",
         f"dtype          {s['dtype']} (layers not quantized)",
         f"quant          {_quant_line(s['quant'], s['limits'])}",  # type: ignore[arg-type]

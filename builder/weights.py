@@ -55,9 +55,11 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, al
     used: set[str] = set()
     problems: list[str] = []
     layout = engine_layout(spec)
-    for name, template, layer in tensor_names(spec):
+    for name, template, layer, expert in tensor_names(spec):
         parts = layout[template]
-        sources = tuple(s.format(i=layer) for s in arch.weight_names[template])
+        if template not in arch.weight_names:  # a family whose translator gives no names for it (no MoE there)
+            raise PrecastError(f"{arch.name} checkpoints have no tensor for {template}; the spec and the translator disagree")
+        sources = tuple(s.format(i=layer, e=expert) for s in arch.weight_names[template])
         if len(sources) == 1 and len(parts) > 1:  # the checkpoint stores the fused tensor (Phi-3's qkv_proj)
             parts = (full_shape(parts),)
         for source, want in zip(sources, parts):

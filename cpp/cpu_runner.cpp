@@ -25,6 +25,11 @@ CpuRunner::CpuRunner(CpuModelConfig config) : config_(std::move(config)), pool_(
     throw std::invalid_argument("local_inv_freq must be empty or have head_dim / 2 entries");
   if (c.attention_scale < 0 || c.attn_logit_softcap < 0 || c.final_logit_softcap < 0 || !(c.embedding_scale > 0))
     throw std::invalid_argument("attention scale, soft caps and embedding scale cannot be negative");
+  if (c.num_experts > 0 && (c.experts_per_token < 1 || c.experts_per_token > c.num_experts ||
+                            c.moe_intermediate_size < 1 || c.moe_layers.empty()))
+    throw std::invalid_argument(
+        "a mixture of experts needs 1 <= experts_per_token <= num_experts, an expert size and layers");
+  if (c.num_experts == 0 && !c.moe_layers.empty()) throw std::invalid_argument("moe_layers need num_experts > 0");
   if (config_.rotary_dim == 0) config_.rotary_dim = c.head_dim;  // configs that predate partial rotary
   if (c.rotary_dim % 2 || c.rotary_dim < 0 || c.rotary_dim > c.head_dim)
     throw std::invalid_argument("rotary_dim must be even and at most head_dim");
@@ -33,6 +38,30 @@ CpuRunner::CpuRunner(CpuModelConfig config) : config_(std::move(config)), pool_(
   for (size_t i = 0; i < c.k_scales.size() && c.kv_fp8; ++i)
     if (!(c.k_scales[i] > 0 && c.v_scales[i] > 0 && std::isfinite(c.k_scales[i]) && std::isfinite(c.v_scales[i])))
       throw std::invalid_argument("fp8 KV cache scales must be finite and positive");
+}
+
+std::pair<int, int> CpuRunner::moe_shape(const std::string& name) const {
+  const CpuModelConfig& c = config_;
+  const int h = c.hidden_size, mi = c.moe_intermediate_size, si = c.shared_expert_intermediate_size;
+  auto ends = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), std::string::npos, suffix) == 0;
+  };
+  if (c.num_experts > 0) {
+    if (ends(".moe.router.weight")) return {c.num_experts, h};
+    const std::string experts = ".moe.experts.";
+    const size_t at = name.find(experts);
+    if (at != std::string::npos) {
+      const int e = std::atoi(name.c_str() + at + experts.size());
+      if (e >= 0 && e < c.num_experts) {
+        if (ends(".gate_up.weight")) return {2 * mi, h};
+        if (ends(".down.weight")) return {h, mi};
+      }
+    }
+    if (si > 0 && ends(".moe.shared.gate_up.weight")) return {2 * si, h};
+    if (si > 0 && ends(".moe.shared.down.weight")) return {h, si};
+    if (si > 0 && ends(".moe.shared_gate.weight")) return {1, h};
+  }
+  throw std::invalid_argument("unknown weight " + name);
 }
 
 std::pair<int, int> CpuRunner::expected_shape(const std::string& name) const {
@@ -48,6 +77,7 @@ std::pair<int, int> CpuRunner::expected_shape(const std::string& name) const {
   if (ends(".attn.qkv.bias")) return {-1, q + 2 * kv};
   if (ends(".attn.q_norm.weight") || ends(".attn.k_norm.weight")) return {-1, c.head_dim};
   if (ends(".attn.o.weight")) return {h, q};
+  if (name.find(".moe.") != std::string::npos) return moe_shape(name);
   if (ends(".mlp.gate_up.weight")) return {2 * c.intermediate_size, h};
   if (ends(".mlp.down.weight")) return {h, c.intermediate_size};
   throw std::invalid_argument("unknown weight " + name);
@@ -148,8 +178,26 @@ void CpuRunner::finalize() {
     l.v_name = p + "attn.v";
     l.qkv = matrix(p + "attn.qkv.weight");
     l.o = matrix(p + "attn.o.weight");
-    l.gate_up = matrix(p + "mlp.gate_up.weight");
-    l.down = matrix(p + "mlp.down.weight");
+    if (std::find(c.moe_layers.begin(), c.moe_layers.end(), i) != c.moe_layers.end()) {
+      l.router = matrix(p + "moe.router.weight");
+      for (int e = 0; e < c.num_experts; ++e) {
+        const std::string x = p + "moe.experts." + std::to_string(e) + ".";
+        l.expert_gate_up.push_back(matrix(x + "gate_up.weight"));
+        l.expert_down.push_back(matrix(x + "down.weight"));
+        l.expert_gate_up_names.push_back(x + "gate_up");
+        l.expert_down_names.push_back(x + "down");
+      }
+      if (c.shared_expert_intermediate_size > 0) {
+        l.shared_gate_up = matrix(p + "moe.shared.gate_up.weight");
+        l.shared_down = matrix(p + "moe.shared.down.weight");
+        l.shared_gate = matrix(p + "moe.shared_gate.weight");
+        l.shared_gate_up_name = p + "moe.shared.gate_up";
+        l.shared_down_name = p + "moe.shared.down";
+      }
+    } else {
+      l.gate_up = matrix(p + "mlp.gate_up.weight");
+      l.down = matrix(p + "mlp.down.weight");
+    }
     l.attn_norm = vector(p + "attn_norm.weight");
     l.mlp_norm = vector(p + "mlp_norm.weight");
     if (c.sandwich_norms) {
@@ -371,16 +419,91 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
     apply(*L.o, L.o_name, attn_.data(), T, nullptr, tmp_.data());
     post_norm(L.post_attn_norm);
     add_then_norm(true, L.mlp_norm);
-    apply(*L.gate_up, L.gate_up_name, h_.data(), T, nullptr, gate_up_.data());
-    rows_parallel(T, [&](int r, int n) {
-      gated_activation(gate_up_.data() + size_t(r) * 2 * inter, n, inter, c.activation,
-                       act_.data() + size_t(r) * inter);
-    });
-    apply(*L.down, L.down_name, act_.data(), T, nullptr, tmp_.data());
+    if (L.router) {
+      run_moe(L, T);
+    } else {
+      apply(*L.gate_up, L.gate_up_name, h_.data(), T, nullptr, gate_up_.data());
+      rows_parallel(T, [&](int r, int n) {
+        gated_activation(gate_up_.data() + size_t(r) * 2 * inter, n, inter, c.activation,
+                         act_.data() + size_t(r) * inter);
+      });
+      apply(*L.down, L.down_name, act_.data(), T, nullptr, tmp_.data());
+    }
     post_norm(L.post_mlp_norm);
     mlp_pending = true;
   }
   if (mlp_pending) add_then_norm(true, nullptr);
+}
+
+void CpuRunner::run_moe(const Layer& L, int T) {
+  const CpuModelConfig& c = config_;
+  const int E = c.num_experts, K = c.experts_per_token, H = c.hidden_size, MI = c.moe_intermediate_size;
+  router_logits_.resize(size_t(T) * E);
+  apply(*L.router, std::string(), h_.data(), T, nullptr, router_logits_.data());  // never quantized, not observed
+
+  // Routing, per token: softmax over every expert in float32, the K most probable (ties: the lower expert), their
+  // probabilities renormalised when the family does; then listed per expert with the token's slot.
+  routed_weight_.resize(size_t(T) * K);
+  std::vector<std::vector<std::pair<int, int>>> rows(E);  // expert -> (token, slot)
+  std::vector<int> order(E);
+  std::vector<float> probs(E);
+  for (int t = 0; t < T; ++t) {
+    const float* z = router_logits_.data() + size_t(t) * E;
+    const float top = *std::max_element(z, z + E);
+    float sum = 0.0f;
+    for (int e = 0; e < E; ++e) sum += (probs[e] = std::exp(z[e] - top));
+    for (int e = 0; e < E; ++e) probs[e] /= sum;
+    for (int e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                      [&](int a, int b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+    float chosen = 0.0f;
+    for (int k = 0; k < K; ++k) chosen += probs[order[k]];
+    for (int k = 0; k < K; ++k) {
+      routed_weight_[size_t(t) * K + k] = c.moe_renormalize ? probs[order[k]] / chosen : probs[order[k]];
+      rows[order[k]].push_back({t, k});
+    }
+  }
+
+  // Each routed expert once, over its tokens' rows (the others' weights are never read), in expert order, each
+  // token adding output x weight as it goes: every token sums its experts in expert order, as transformers does.
+  std::fill(tmp_.begin(), tmp_.begin() + size_t(T) * H, 0.0f);
+  for (int e = 0; e < E; ++e) {
+    const int n = int(rows[e].size());
+    if (n == 0) continue;
+    expert_in_.resize(size_t(n) * H);
+    expert_gate_up_.resize(size_t(n) * 2 * MI);
+    expert_act_.resize(size_t(n) * MI);
+    expert_y_.resize(size_t(n) * H);
+    for (int j = 0; j < n; ++j)
+      std::memcpy(expert_in_.data() + size_t(j) * H, h_.data() + size_t(rows[e][j].first) * H, sizeof(float) * H);
+    apply(*L.expert_gate_up[e], L.expert_gate_up_names[e], expert_in_.data(), n, nullptr, expert_gate_up_.data());
+    gated_activation(expert_gate_up_.data(), n, MI, c.activation, expert_act_.data());
+    apply(*L.expert_down[e], L.expert_down_names[e], expert_act_.data(), n, nullptr, expert_y_.data());
+    for (int j = 0; j < n; ++j) {
+      const auto [t, k] = rows[e][j];
+      const float w = routed_weight_[size_t(t) * K + k];
+      const float* o = expert_y_.data() + size_t(j) * H;
+      float* y = tmp_.data() + size_t(t) * H;
+      for (int i = 0; i < H; ++i) y[i] += o[i] * w;
+    }
+  }
+  if (!L.shared_gate_up) return;
+  // The shared expert on every token, scaled by sigmoid(shared_gate . x).
+  const int SI = c.shared_expert_intermediate_size;
+  expert_gate_up_.resize(size_t(T) * 2 * SI);
+  expert_act_.resize(size_t(T) * SI);
+  expert_y_.resize(size_t(T) * H);
+  std::vector<float> gate(T);
+  apply(*L.shared_gate_up, L.shared_gate_up_name, h_.data(), T, nullptr, expert_gate_up_.data());
+  gated_activation(expert_gate_up_.data(), T, SI, c.activation, expert_act_.data());
+  apply(*L.shared_down, L.shared_down_name, expert_act_.data(), T, nullptr, expert_y_.data());
+  apply(*L.shared_gate, std::string(), h_.data(), T, nullptr, gate.data());
+  for (int t = 0; t < T; ++t) {
+    const float g = 1.0f / (1.0f + std::exp(-gate[t]));
+    const float* o = expert_y_.data() + size_t(t) * H;
+    float* y = tmp_.data() + size_t(t) * H;
+    for (int i = 0; i < H; ++i) y[i] += g * o[i];
+  }
 }
 
 }  // namespace precast

@@ -50,11 +50,20 @@ struct CpuModelConfig {
   std::vector<float> local_inv_freq;
   float local_attention_factor = 1.0f;
   Activation activation = Activation::kSilu;
-  float embedding_scale = 1.0f;           // multiplies the input embeddings (Gemma: sqrt(hidden) in the engine dtype)
-  bool sandwich_norms = false;            // post_attn_norm / post_mlp_norm on each block's output (Gemma 2/3)
-  float attention_scale = 0.0f;           // scores = q.k * this; 0: 1 / sqrt(head_dim)
-  float attn_logit_softcap = 0.0f;        // 0: none
-  float final_logit_softcap = 0.0f;       // 0: none
+  float embedding_scale = 1.0f;      // multiplies the input embeddings (Gemma: sqrt(hidden) in the engine dtype)
+  bool sandwich_norms = false;       // post_attn_norm / post_mlp_norm on each block's output (Gemma 2/3)
+  float attention_scale = 0.0f;      // scores = q.k * this; 0: 1 / sqrt(head_dim)
+  float attn_logit_softcap = 0.0f;   // 0: none
+  float final_logit_softcap = 0.0f;  // 0: none
+  // Mixture of experts (ModelSpec): each layer in moe_layers routes every token to experts_per_token of num_experts
+  // gated MLPs (softmax probabilities, renormalised over the chosen ones when moe_renormalize), plus a shared expert
+  // scaled by sigmoid(shared_gate . x) when shared_expert_intermediate_size > 0.
+  int num_experts = 0;
+  int experts_per_token = 0;
+  int moe_intermediate_size = 0;
+  std::vector<int> moe_layers;
+  bool moe_renormalize = false;
+  int shared_expert_intermediate_size = 0;
   WeightDtype dtype = WeightDtype::kF32;  // matrices not quantized; vectors are float32
   bool kv_fp8 = false;                    // E4M3 KV cache with these per-layer scales
   std::vector<float> k_scales, v_scales;
@@ -120,9 +129,16 @@ class CpuRunner : public ModelRunner {
     const float* q_norm = nullptr;
     const float* k_norm = nullptr;
     bool sliding = false;
+    // A mixture layer (gate_up / down unset): the router, each expert's two matrices, the optional shared expert.
+    const Linear* router = nullptr;
+    std::vector<const Linear*> expert_gate_up, expert_down;
+    std::vector<std::string> expert_gate_up_names, expert_down_names;
+    const Linear *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;
+    std::string shared_gate_up_name, shared_down_name;
   };
   // (rows, cols) of a matrix weight, or rows = -1 for a float32 vector of `cols` values.
   std::pair<int, int> expected_shape(const std::string& name) const;
+  std::pair<int, int> moe_shape(const std::string& name) const;  // a mixture layer's tensors
   const Linear* matrix(const std::string& name) const;
   const float* vector(const std::string& name) const;
   // KV pools, one K and one V array per layer (float32 or E4M3 bytes). Left uninitialized on
@@ -140,6 +156,9 @@ class CpuRunner : public ModelRunner {
   void run_layers(const Batch& batch, const KvPool& kv);
   // One sequence of `num_tokens` from position 0 in the evaluation KV pool (grown as needed).
   Batch evaluation_batch(int num_tokens, bool sample);
+  // A mixture layer's MLP: tmp_ = mixture(h_) for T rows. Only the routed experts' weights are read: tokens are
+  // grouped per expert, each expert runs once on its rows; every token sums its experts in expert order.
+  void run_moe(const Layer& L, int T);
   // The name the LM head's input is observed under (the tied embedding's, when tied).
   const char* head_name() const { return config_.tie_word_embeddings ? "embed" : "lm_head"; }
   // y = linear(x) with the layer's input quantization; x is observed as `name` (unless empty) when observed.
@@ -163,6 +182,7 @@ class CpuRunner : public ModelRunner {
   KvPool eval_kv_;     // evaluate's own
   // Work buffers, grown to the largest batch seen.
   std::vector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_, quantized_input_;
+  std::vector<float> router_logits_, routed_weight_, expert_in_, expert_gate_up_, expert_act_, expert_y_;
   ActivationObserver* observer_ = nullptr;  // not owned
 };
 

@@ -7,9 +7,10 @@ s = mean|x| ** alpha (normalized so that max * min = 1), alpha chosen on a grid 
 error of the layer's output on calibration rows:  || x W^T - (x / s) Q(W s)^T ||^2.
 
 The division by s is folded into whatever produces x, so it costs nothing at run time:
-    qkv      <- attn_norm weight          gate_up <- mlp_norm weight
+    qkv      <- attn_norm weight          gate_up <- mlp_norm weight (not an expert's: the norm
+                                                      also feeds the router and the other experts)
     down     <- the up half of gate_up    o       <- the V rows of qkv (only when every query
-                                                      head has its own V head: with grouped
+               (an expert's: its own)                 head has its own V head: with grouped
                                                       heads one V channel feeds several o inputs)
 """
 
@@ -21,6 +22,8 @@ import numpy as np
 
 from precast import _C
 from precast.engine.formats import INT4_MAX
+from precast.engine.spec import ModelSpec
+from precast.engine.tensors import layer_linear_kinds
 from precast.runtime.cpu_backend import default_num_threads
 
 GRID = 20
@@ -74,15 +77,21 @@ COARSE_STEP = 4
 ROWS_PER_CHUNK = 1024  # 1024 x 8960 float32 = 37 MB per temporary for a 1.5B model's down projection
 
 
-def fold_targets(layer: int, num_heads: int, num_kv_heads: int) -> dict[str, str | None]:
+def fold_targets(spec: ModelSpec, layer: int) -> dict[str, str | None]:
     """For each linear layer of decoder layer `layer`: what absorbs 1 / s (None: AWQ not applicable)."""
     p = f"layers.{layer}."
-    return {
+    targets = {
         p + "attn.qkv": p + "attn_norm.weight",
-        p + "attn.o": p + "attn.qkv (V rows)" if num_heads == num_kv_heads else None,
-        p + "mlp.gate_up": p + "mlp_norm.weight",
-        p + "mlp.down": p + "mlp.gate_up (up rows)",
+        p + "attn.o": p + "attn.qkv (V rows)" if spec.num_heads == spec.num_kv_heads else None,
     }
+    for kind in layer_linear_kinds(spec, layer)[2:]:
+        if kind == "mlp.gate_up":
+            targets[p + kind] = p + "mlp_norm.weight"
+        elif kind.endswith("gate_up"):  # a mixture's experts: the norm also feeds the router and the other experts
+            targets[p + kind] = None
+        else:  # a down projection: the up rows of its own gate_up
+            targets[p + kind] = p + kind[: -len("down")] + "gate_up (up rows)"
+    return targets
 
 
 def int4_round_trip(w: np.ndarray, group_size: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from precast.engine.directory import WEIGHTS_FILE, Engine, numpy_dtype
 from precast.engine.formats import FP8_MAX, per_tensor_scale
 from precast.engine.quant import Int4Layer, KvCacheFp8, LayerQuant, QuantSection
 from precast.engine.safetensors_file import DTYPES, SafetensorsWriter
-from precast.engine.tensors import LINEAR_KINDS, TensorLayout
+from precast.engine.tensors import TensorLayout, is_linear_kind
 from precast.errors import PrecastError
 from precast.quantization import awq
 from precast.quantization.calibration import CalibrationResult
@@ -38,10 +38,12 @@ def awq_scales(engine: Engine, plan: dict[str, LayerQuant], calib: CalibrationRe
     found: dict[str, awq.AwqScale] = {}
     targets = {}
     for i in range(spec.num_layers):
-        targets.update(awq.fold_targets(i, spec.num_heads, spec.num_kv_heads))
+        targets.update(awq.fold_targets(spec, i))
     todo = [n for n, p in plan.items() if isinstance(p, Int4Layer) and targets.get(n)]
     for name in tqdm(todo, desc="precast awq", disable=not progress):
         stats = calib.stats.get(name)
+        if (stats is None or len(stats.samples) == 0) and _EXPERT.fullmatch(name):
+            continue  # no calibration token was routed to this expert: plain round-to-nearest int4
         if stats is None or len(stats.samples) == 0:
             raise PrecastError(f"calibration recorded no inputs for {name}; cannot search its AWQ scale")
         weight = engine.weights.read(f"{name}.weight").astype(np.float32)
@@ -61,7 +63,7 @@ def fold_awq(name: str, array: np.ndarray, scales: dict[str, awq.AwqScale], q_si
         return None if found is None else found.scale
 
     out = array.astype(np.float32, copy=True)
-    if rest.endswith(".weight") and rest[: -len(".weight")] in LINEAR_KINDS:
+    if rest.endswith(".weight") and is_linear_kind(rest[: -len(".weight")]):
         own = s(rest[: -len(".weight")])
         if own is not None:
             out *= own[None, :]
@@ -72,18 +74,30 @@ def fold_awq(name: str, array: np.ndarray, scales: dict[str, awq.AwqScale], q_si
     if rest in ("attn.qkv.weight", "attn.qkv.bias") and s("attn.o") is not None:
         v = slice(q_size + kv_size, q_size + 2 * kv_size)
         out[v] /= s("attn.o")[:, None] if out.ndim == 2 else s("attn.o")
-    if rest == "mlp.gate_up.weight" and s("mlp.down") is not None:
-        inter = out.shape[0] // 2
-        out[inter:] /= s("mlp.down")[:, None]
+    if rest.endswith(".gate_up.weight"):  # mlp, an expert, or the shared expert: its down's 1 / s goes to its up rows
+        down = s(rest[: -len("gate_up.weight")] + "down")
+        if down is not None:
+            inter = out.shape[0] // 2
+            out[inter:] /= down[:, None]
     return out
 
 
+_EXPERT = re.compile(r"(layers\.\d+\.moe\.experts\.)\d+(\.gate_up|\.down)")
+
+
 def _input_amax(calib: CalibrationResult | None, name: str) -> float:
-    """The calibrated max |x| of a layer's input (or of K / V: "layers.{i}.attn.k|v")."""
+    """The calibrated max |x| of a layer's input (or of K / V: "layers.{i}.attn.k|v"). An expert that no calibration
+    token was routed to takes the largest of its layer's other experts' (same kind): their inputs are the same
+    normed hidden states (gate_up) or come from the same kind of projection (down)."""
     stats = calib.stats.get(name) if calib else None
-    if stats is None:
-        raise PrecastError(f"calibration recorded no inputs for {name}")
-    return stats.tensor_amax
+    if stats is not None:
+        return stats.tensor_amax
+    expert = _EXPERT.fullmatch(name)
+    if calib and expert:
+        siblings = [st.tensor_amax for n, st in calib.stats.items() if (m := _EXPERT.fullmatch(n)) and m.groups() == expert.groups()]
+        if siblings:
+            return max(siblings)
+    raise PrecastError(f"calibration recorded no inputs for {name}")
 
 
 def quantize_layer(

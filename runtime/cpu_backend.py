@@ -62,6 +62,9 @@ def make_cpu_runner(
     c.attention_scale = spec.attention_scale
     c.attn_logit_softcap = spec.attn_logit_softcap or 0.0
     c.final_logit_softcap = spec.final_logit_softcap or 0.0
+    c.num_experts, c.experts_per_token, c.moe_intermediate_size = spec.num_experts, spec.experts_per_token, spec.moe_intermediate_size
+    c.moe_layers, c.moe_renormalize = list(spec.moe_layers), spec.moe_renormalize
+    c.shared_expert_intermediate_size = spec.shared_expert_intermediate_size
     c.dtype = _WEIGHT_DTYPES[engine.config.dtype]
     if engine.config.quant.kv_cache is not None:
         engine.config.quant.kv_cache.load_cpu(c)

@@ -169,6 +169,40 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
     ),
+    # mixtral: 8 experts, top 2 renormalised, every layer sparse, GQA, untied
+    "mixtral": ("mixtral", dict(_COMMON, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256)),
+    # qwen2_moe: 6 experts of 32, top 2 not renormalised, a sigmoid-gated shared expert of 64, layer 1 dense (96),
+    # q/k/v biases, tied
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            _COMMON,
+            num_key_value_heads=2,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+        ),
+    ),
+    # qwen3_moe: 16 experts of 32, top 4 renormalised, qk-norm, every other layer sparse (decoder_sparse_step 2)
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            _COMMON,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            max_position_embeddings=256,
+        ),
+    ),
     # gemma3: as gemma2 without soft-capping, with qk-norm, a global layer between two sliding ones and separate RoPE
     # per layer kind (global: linear scaling on a 1e6 base; sliding: default on 1e4), untied
     "gemma3": (

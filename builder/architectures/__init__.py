@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from precast.builder.architectures import gemma, llama, mistral, phi3, qwen2, qwen3
+from precast.builder.architectures import gemma, llama, mistral, moe, phi3, qwen2, qwen3
 from precast.builder.architectures.common import Architecture
 from precast.errors import PrecastError
 
@@ -18,6 +18,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         phi3.ARCHITECTURE,
         gemma.GEMMA2,
         gemma.GEMMA3,
+        moe.MIXTRAL,
+        moe.QWEN2_MOE,
+        moe.QWEN3_MOE,
     )
 }
 

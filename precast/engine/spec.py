@@ -12,6 +12,11 @@ The decoder it describes, per layer (pre-norm, residual):
 
 with x = embedding * embedding_multiplier on entry, then a final RMSNorm, the LM head (the embedding
 matrix itself when tied) and optional logit soft-capping. `post?` are the sandwich norms (Gemma 2/3).
+In the layers listed in moe_layers the MLP is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE):
+
+    p = softmax(router(h')), h' = rms_norm(h); the experts_per_token largest p_e (renormalised to sum 1 when
+    moe_renormalize) weight their experts: mlp = sum_e p_e down_e(act(gate_e(h')) * up_e(h'))
+    (+ sigmoid(shared_gate(h')) * shared_down(act(shared_gate_proj(h')) * shared_up(h')) with a shared expert)
 Attention scores are q.k * attention_scale, soft-capped when attn_logit_softcap is set.
 Gemma's RMSNorm multiplies by (1 + w); the builder stores 1 + w, so every norm here is x / rms * w.
 """
@@ -63,12 +68,18 @@ _OMITTED_WHEN_DEFAULT = (
     "attn_logit_softcap",
     "final_logit_softcap",
     "local_rope_theta",
+    "num_experts",
+    "experts_per_token",
+    "moe_intermediate_size",
+    "moe_layers",
+    "moe_renormalize",
+    "shared_expert_intermediate_size",
 )
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    architecture: str  # the translator that made it: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3
+    architecture: str  # the translator that made it: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3, mixtral, qwen2_moe, qwen3_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -98,6 +109,13 @@ class ModelSpec:
     final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
     # Gemma 3: the sliding-window layers' RoPE base (default RoPE, no scaling); None: every layer uses rope_theta.
     local_rope_theta: float | None = None
+    # Mixture of experts (see the module docstring); num_experts = 0: every layer is dense.
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the mixture (Qwen2-MoE may keep some dense)
+    moe_renormalize: bool = False  # the top-k probabilities divided by their sum (Mixtral, most Qwen3-MoE)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -122,6 +140,16 @@ class ModelSpec:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive when set, got {value}")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ValueError(
+                    f"a mixture of {self.num_experts} experts needs 1 <= experts_per_token <= num_experts (got "
+                    f"{self.experts_per_token}) and moe_intermediate_size > 0 (got {self.moe_intermediate_size})"
+                )
+            if not self.moe_layers or not all(0 <= i < self.num_layers for i in self.moe_layers):
+                raise ValueError(f"moe_layers must name layers 0..{self.num_layers - 1}, got {list(self.moe_layers)}")
+        elif self.moe_layers or self.shared_expert_intermediate_size or self.experts_per_token:
+            raise ValueError("moe_layers, experts_per_token and a shared expert need num_experts > 0")
         if not self.embedding_multiplier > 0:
             raise ValueError(f"embedding_multiplier must be positive, got {self.embedding_multiplier}")
 
@@ -169,14 +197,28 @@ class ModelSpec:
                 rope[key] = None if rope.get(key) is None else tuple(rope[key])
             values["rope_scaling"] = RopeScaling(**rope)
         values["sliding_window_layers"] = tuple(values["sliding_window_layers"])
+        values["moe_layers"] = tuple(values["moe_layers"])
         return cls(**values)
 
-    def num_parameters(self) -> int:
-        """Parameters of the model this spec describes (the tied LM head counted once)."""
-        h, layer = self.hidden_size, 0
-        layer += h * (self.q_size + 2 * self.kv_size) + self.q_size * h  # qkv, o
-        layer += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
-        layer += 2 * self.head_dim if self.qk_norm else 0
-        layer += 3 * h * self.intermediate_size + (4 if self.sandwich_norms else 2) * h  # gate, up, down; norms
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the model this spec describes (the tied LM head counted once); `active`: those one token
+        uses (experts_per_token of each mixture's experts)."""
+        h, total = self.hidden_size, 0
+        for i in range(self.num_layers):
+            layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h  # qkv, o
+            layer += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
+            layer += 2 * self.head_dim if self.qk_norm else 0
+            layer += (4 if self.sandwich_norms else 2) * h  # norms
+            if self.is_moe_layer(i):
+                experts = self.experts_per_token if active else self.num_experts
+                layer += self.num_experts * h + experts * 3 * h * self.moe_intermediate_size  # router, experts
+                if self.shared_expert_intermediate_size:
+                    layer += 3 * h * self.shared_expert_intermediate_size + h  # shared expert and its gate
+            else:
+                layer += 3 * h * self.intermediate_size  # gate, up, down
+            total += layer
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
+        return self.vocab_size * h + total + h + head

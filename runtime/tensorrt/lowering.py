@@ -81,6 +81,11 @@ def check_supported(config: EngineConfig, act_dtype: str) -> None:
         raise PrecastError(f"TensorRT activations must be one of {', '.join(ACTIVATION_DTYPES)}, got {act_dtype!r}")
     if limits.kv_cache_dtype == "fp8":
         raise PrecastError(FP8_KV_REFUSAL)
+    if spec.num_experts:
+        raise PrecastError(
+            f"{spec.architecture} is a mixture of experts ({spec.num_experts} experts, top {spec.experts_per_token}); the "
+            "TensorRT lowering has no routed-expert layers yet; build it with --target cpu"
+        )
     if spec.attn_logit_softcap is not None:
         raise PrecastError(
             f"{spec.architecture} soft-caps attention scores (attn_logit_softcapping={spec.attn_logit_softcap}), which "

@@ -38,12 +38,30 @@ SANDWICH_PARTS = {
 }
 
 
+def moe_reference(state: dict[str, torch.Tensor], layer: str, rest: str) -> np.ndarray:
+    """A mixture layer's engine tensor from transformers' in-memory layout: experts fused as [E, 2 mi, hidden] (gate
+    rows, then up) and [E, hidden, mi], the router as mlp.gate, the shared expert as a plain MLP."""
+    p = f"model.layers.{layer}.mlp."
+    parts = rest.split(".")
+    if rest == "moe.router.weight":
+        return state[p + "gate.weight"].numpy()
+    if rest == "moe.shared_gate.weight":
+        return state[p + "shared_expert_gate.weight"].numpy()
+    if parts[1] == "experts":
+        fused = state[p + ("experts.gate_up_proj" if parts[3] == "gate_up" else "experts.down_proj")]
+        return fused[int(parts[2])].numpy()
+    names = ["gate_proj", "up_proj"] if parts[2] == "gate_up" else ["down_proj"]
+    return np.concatenate([state[f"{p}shared_expert.{n}.weight"].numpy() for n in names], axis=0)
+
+
 def hf_reference(state: dict[str, torch.Tensor], name: str, spec: ModelSpec | None = None) -> np.ndarray:
     gemma = "model.layers.0.pre_feedforward_layernorm.weight" in state
     offset = np.float32(1.0) if gemma and name.endswith("norm.weight") else np.float32(0.0)
     if name in GLOBAL_PARTS:
         return state[GLOBAL_PARTS[name]].numpy() + offset
     _, layer, rest = name.split(".", 2)
+    if rest.startswith("moe."):
+        return moe_reference(state, layer, rest)
     if gemma and rest in SANDWICH_PARTS:
         parts = SANDWICH_PARTS[rest]
     elif f"model.layers.{layer}.self_attn.qkv_proj.weight" in state:
@@ -67,6 +85,9 @@ EXPECTED_FEATURES = {
     "qwen3": dict(qkv_bias=False, qk_norm=True, sliding_window=None, tie_word_embeddings=False, num_kv_heads=2, rope="yarn"),
     "phi3": dict(qkv_bias=False, qk_norm=False, sliding_window=24, tie_word_embeddings=False, num_kv_heads=2, rope="longrope"),
     "phi4mini": dict(qkv_bias=False, qk_norm=False, sliding_window=None, tie_word_embeddings=True, num_kv_heads=1, rope="longrope"),
+    "mixtral": dict(qkv_bias=False, qk_norm=False, sliding_window=None, tie_word_embeddings=False, num_kv_heads=2, rope=None),
+    "qwen2_moe": dict(qkv_bias=True, qk_norm=False, sliding_window=None, tie_word_embeddings=True, num_kv_heads=2, rope=None),
+    "qwen3_moe": dict(qkv_bias=False, qk_norm=True, sliding_window=None, tie_word_embeddings=False, num_kv_heads=2, rope=None),
     "gemma2": dict(qkv_bias=False, qk_norm=False, sliding_window=8, tie_word_embeddings=True, num_kv_heads=2, rope=None),
     "gemma3": dict(qkv_bias=False, qk_norm=True, sliding_window=8, tie_word_embeddings=False, num_kv_heads=1, rope="linear"),
 }
@@ -180,3 +201,31 @@ def test_gemma_embedding_scale_is_rounded_like_transformers(hidden, dtype, torch
     config = dict(TINY_CONFIGS["gemma2"][1], architectures=["Gemma2ForCausalLM"], hidden_size=hidden)
     spec = find_architecture(config).to_spec(config)
     assert spec.embedding_scale(dtype) == torch.tensor(hidden**0.5).to(torch_dtype).item()
+
+
+@pytest.mark.parametrize(
+    "name,experts,top_k,renormalize,layers,shared",
+    [("mixtral", 8, 2, True, (0, 1, 2), 0), ("qwen2_moe", 6, 2, False, (0, 2), 64), ("qwen3_moe", 16, 4, True, (1,), 0)],
+)
+def test_mixture_of_experts_specs(name, experts, top_k, renormalize, layers, shared, tiny_checkpoints):
+    """The routing rule and sparse layers of each family, and the active parameters one token uses."""
+    import json
+
+    config = json.loads((tiny_checkpoints[name] / "config.json").read_text())
+    spec = find_architecture(config).to_spec(config)
+    assert (spec.num_experts, spec.experts_per_token, spec.moe_renormalize) == (experts, top_k, renormalize)
+    assert spec.moe_layers == layers and spec.shared_expert_intermediate_size == shared
+    unused = (experts - top_k) * 3 * spec.hidden_size * spec.moe_intermediate_size * len(layers)
+    assert spec.num_parameters() - spec.num_parameters(active=True) == unused
+
+
+def test_inspect_shows_the_mixture_and_gemma_blocks(tiny_engines):
+    from precast.builder.inspect import engine_summary, format_summary
+
+    text = format_summary(engine_summary(load_engine(tiny_engines["qwen2_moe"])))
+    assert "mixture of 6 experts of 32 in 2 layers, top 2, shared expert of 64" in text
+    assert "active per token" in text
+    text = format_summary(engine_summary(load_engine(tiny_engines["gemma2"])))
+    assert "gated gelu_tanh; sandwich norms, embeddings x 8" in text and "scores soft-capped at 4, logits soft-capped at 10" in text
+    text = format_summary(engine_summary(load_engine(tiny_engines["gemma3"])))
+    assert "sliding layers theta 10000" in text

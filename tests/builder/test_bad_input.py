@@ -388,3 +388,35 @@ def test_gemma_configs_precast_cannot_run_are_refused(name, edit, message, tiny_
     with pytest.raises(PrecastError, match=message):
         build(ckpt, tmp_path / "engine")
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name,edit,message",
+    [
+        ("qwen3_moe", lambda c: c.update(scoring_func="sigmoid"), "routing rule scoring_func='sigmoid'"),
+        ("qwen3_moe", lambda c: c.update(n_group=4, topk_group=2), "routing rule n_group=4"),
+        ("mixtral", lambda c: c.update(routed_scaling_factor=2.5), "routing rule routed_scaling_factor=2.5"),
+        ("mixtral", lambda c: c.update(num_experts_per_tok=9), "experts_per_token <= num_experts"),
+        ("qwen2_moe", lambda c: c.update(mlp_only_layers=[0, 1, 2]), "every layer is dense"),
+        ("qwen3_moe", lambda c: c.pop("moe_intermediate_size"), "lacks 'moe_intermediate_size'"),
+    ],
+)
+def test_mixture_of_experts_configs_precast_cannot_run_are_refused(name, edit, message, tiny_checkpoints, tmp_path):
+    ckpt = Path(shutil.copytree(tiny_checkpoints[name], tmp_path / "ckpt"))
+    config = json.loads((ckpt / "config.json").read_text())
+    edit(config)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PrecastError, match=message):
+        build(ckpt, tmp_path / "engine")
+    assert_nothing_left(tmp_path)
+
+
+def test_a_missing_expert_is_named(tiny_checkpoints, tmp_path):
+    ckpt = Path(shutil.copytree(tiny_checkpoints["mixtral"], tmp_path / "ckpt"))
+    rewrite_weights(ckpt, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.5.w2.weight"))
+    with pytest.raises(
+        PrecastError,
+        match=r"missing tensor model.layers.1.block_sparse_moe.experts.5.w2.weight \(needed for layers.1.moe.experts.5.down.weight\)",
+    ):
+        build(ckpt, tmp_path / "engine")
+    assert_nothing_left(tmp_path)

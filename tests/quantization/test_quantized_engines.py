@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -56,6 +57,55 @@ def dequantized(engine, layer: str, entry: dict) -> np.ndarray:
     return Int4Tensor(values, scales, int(entry["group_size"])).dequantize()
 
 
+def quantize_input(x: torch.Tensor, entry: dict | None) -> torch.Tensor:
+    """x as a layer whose record is `entry` quantizes its input (fp8 static, nvfp4 dynamic; int4: unchanged)."""
+    if entry is None or entry["format"] == "int4":
+        return x
+    flat = x.detach().numpy().reshape(-1, x.shape[-1])
+    if entry["format"] == "fp8":
+        q = fake_quant_fp8_activation(flat, entry["input_scale"])
+    else:
+        q = fake_quant_nvfp4_activation(flat, entry["input_global_scale"])
+    return torch.from_numpy(q).reshape(x.shape)
+
+
+def moe_state(state: dict[str, torch.Tensor], hf_state: dict[str, torch.Tensor], spec) -> None:
+    """Engine mixture tensors -> transformers' in-memory names: experts stacked into gate_up_proj [E, 2 mi, hidden]
+    and down_proj [E, hidden, mi], the router as mlp.gate, the shared expert's gate_up split."""
+    for i in spec.moe_layers:
+        p, q = f"layers.{i}.moe.", f"model.layers.{i}.mlp."
+        hf_state[q + "gate.weight"] = state[p + "router.weight"]
+        for part in ("gate_up", "down"):
+            stacked = [state[f"{p}experts.{e}.{part}.weight"] for e in range(spec.num_experts)]
+            hf_state[q + f"experts.{part}_proj"] = torch.stack(stacked)
+        if spec.shared_expert_intermediate_size:
+            gate, up = torch.split(state[p + "shared.gate_up.weight"], spec.shared_expert_intermediate_size)
+            hf_state[q + "shared_expert.gate_proj.weight"], hf_state[q + "shared_expert.up_proj.weight"] = gate, up
+            hf_state[q + "shared_expert.down_proj.weight"] = state[p + "shared.down.weight"]
+            hf_state[q + "shared_expert_gate.weight"] = state[p + "shared_gate.weight"]
+
+
+def quantizing_experts_forward(layers: dict, i: int, quantize):
+    """transformers' expert loop (per routed expert: gate_up, act, down, weighted index_add) with each expert's inputs
+    quantized as its records say: what the engine's experts compute."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token_idx, slot = torch.where(top_k_index == e)
+            if len(token_idx) == 0:
+                continue
+            name = f"layers.{i}.moe.experts.{e}."
+            x = quantize(hidden_states[token_idx], layers.get(name + "gate_up"))
+            gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = quantize(self.act_fn(gate) * up, layers.get(name + "down"))
+            y = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y)
+        return out
+
+    return forward
+
+
 def hf_twin(engine, checkpoint):
     """A transformers model of the checkpoint's config holding the engine's weights (dequantized),
     with hooks that quantize every quantized layer's input as the recipe defines."""
@@ -99,7 +149,10 @@ def hf_twin(engine, checkpoint):
             }
         )
         state = {n: t - 1.0 if n.endswith("norm.weight") else t for n, t in state.items()}
+    moe_state(state, hf_state, spec)  # a mixture's tensors, in transformers' fused in-memory layout
     for name, t in state.items():
+        if ".moe." in name:
+            continue
         if name == "embed.weight":
             hf_state["model.embed_tokens.weight"] = t
             if spec.tie_word_embeddings:
@@ -122,17 +175,21 @@ def hf_twin(engine, checkpoint):
 
     def hook_for(entry):
         def hook(module, args):
-            x = args[0].detach().numpy().reshape(-1, args[0].shape[-1])
-            if entry["format"] == "fp8":
-                q = fake_quant_fp8_activation(x, entry["input_scale"])
-            else:
-                q = fake_quant_nvfp4_activation(x, entry["input_global_scale"])
-            return (torch.from_numpy(q).reshape(args[0].shape),)
+            return (quantize_input(args[0], entry),)
 
         return hook
 
+    for i in spec.moe_layers:
+        experts = model.get_submodule(f"model.layers.{i}.mlp.experts")
+        experts.forward = types.MethodType(quantizing_experts_forward(layers, i, quantize_input), experts)
     for layer, entry in layers.items():
-        if entry["format"] == "int4":
+        if entry["format"] == "int4" or ".moe.experts." in layer:
+            continue
+        if ".moe.shared." in layer:
+            _, i, rest = layer.split(".", 2)
+            part = {"moe.shared.gate_up": ("gate_proj", "up_proj"), "moe.shared.down": ("down_proj",)}[rest]
+            for name in part:
+                model.get_submodule(f"model.layers.{i}.mlp.shared_expert.{name}").register_forward_pre_hook(hook_for(entry))
             continue
         if layer in ("embed", "lm_head"):
             model.lm_head.register_forward_pre_hook(hook_for(entry))
@@ -157,6 +214,10 @@ CASES = [
     ("gemma2", "int4_awq", False),
     ("gemma3", "nvfp4", True),
     ("gemma3", "int4_awq", False),
+    ("mixtral", "fp8", False),
+    ("qwen2_moe", "nvfp4", True),
+    ("qwen3_moe", "int4_awq", False),
+    ("qwen2_moe", "int4_awq", False),
 ]
 
 
@@ -175,13 +236,14 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
     engine = load_engine(out)
     q = engine.config.quant.to_dict()
     assert q["recipe"] == recipe and q["lm_head"] == lm_head
-    assert len(q["layers"]) == 4 * engine.config.model.num_layers + lm_head
+    assert len(q["layers"]) == len(linear_shapes(engine.config.model)) - 1 + lm_head
     assert q["calibration"]["samples"] == len(CALIB)
     stored = {"fp8": "F8_E4M3", "nvfp4": "U8", "int4_awq": "U8"}[recipe]
-    assert engine.weights.tensors["layers.0.mlp.down.weight"].dtype == stored
+    first_down = next(n for n in linear_shapes(engine.config.model) if n.endswith(".down"))  # an expert's in a mixture
+    assert engine.weights.tensors[f"{first_down}.weight"].dtype == stored
     if recipe == "int4_awq":
         shapes = linear_shapes(engine.config.model)
-        assert all(entry["group_size"] == {64: 64, 96: 32, 128: 128}[shapes[layer][1]] for layer, entry in q["layers"].items())
+        assert all(entry["group_size"] == {32: 32, 64: 64, 96: 32, 128: 128}[shapes[layer][1]] for layer, entry in q["layers"].items())
         assert any(entry["awq"] for entry in q["layers"].values())
     runner = make_cpu_runner(engine, num_threads=2)
     ours = runner.evaluate(PROMPT, True)
@@ -205,13 +267,13 @@ def test_awq_folding_preserves_the_full_precision_model(tiny_checkpoints, tmp_pa
     build_engine(BuildOptions(tmp_path / "ckpt", tmp_path / "full", progress=False))
     full = load_engine(tmp_path / "full")
     spec = full.config.model
-    targets = awq.fold_targets(0, spec.num_heads, spec.num_kv_heads)
+    targets = awq.fold_targets(spec, 0)
     assert all(targets.values()), "every layer foldable when heads are not grouped"
     shapes = linear_shapes(spec)
     scales = {
         layer: awq.AwqScale(RNG.uniform(0.5, 2.0, shapes[layer][1]).astype(np.float32), 0.5, 0.0, 0.0)
         for i in range(spec.num_layers)
-        for layer in awq.fold_targets(i, spec.num_heads, spec.num_kv_heads)
+        for layer in awq.fold_targets(spec, i)
     }
     shutil.copytree(tmp_path / "full", tmp_path / "folded")
     layout = [(n, full.weights.read(n).dtype, info.shape) for n, info in full.weights.tensors.items()]

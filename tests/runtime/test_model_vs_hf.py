@@ -193,3 +193,21 @@ def test_prompt_logprobs_match_hf_in_chunks_and_beside_other_requests(name, tiny
                 assert [t for t, _ in top] == list(np.argsort(-want[p], kind="stable")[:3])
             assert out.num_cached_tokens == 0
         assert outs[1].prompt_logprobs == []
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixture_of_experts_is_batch_invariant(name, tiny_engines):
+    """Experts run once per step over every token routed to them; a request's log-probabilities are bit for bit the
+    same alone and in a batch whose other requests send tokens to the same experts, with chunked prefill."""
+    rng = np.random.default_rng(4)
+    vocab = TINY_CONFIGS[name][1]["vocab_size"]
+    prompt = rng.integers(0, vocab, 30).tolist()
+    others = [rng.integers(0, vocab, n).tolist() for n in (5, 17, 40, 9)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    with LLM(tiny_engines[name], kv_cache_memory=64 << 20) as llm:
+        alone = llm.generate(prompt, params)
+        batched = llm.generate([others[0], prompt, *others[1:]], params)[1]
+    with LLM(tiny_engines[name], kv_cache_memory=64 << 20, max_num_tokens=12) as chunked:
+        pieces = chunked.generate([prompt, *others], params)[0]
+    assert alone.token_ids == batched.token_ids == pieces.token_ids
+    assert alone.top_logprobs == batched.top_logprobs == pieces.top_logprobs
