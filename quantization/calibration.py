@@ -117,7 +117,7 @@ def calibrate(
     hidden = _hidden_states(total, spec.hidden_size, scratch)
     embed = engine.weights.read("embed.weight")
     offsets = np.cumsum([0] + [len(s) for s in sequences])
-    scale = np.float32(spec.embedding_scale(engine.config.dtype))  # Gemma's sqrt(hidden); 1 elsewhere
+    scale = np.float32(engine.config.embedding_scale)  # Gemma's sqrt(hidden); 1 elsewhere
     for seq, begin in zip(sequences, offsets):
         rows = embed[np.asarray(seq)].astype(np.float32)  # exact widening, as the runner's
         hidden[begin : begin + len(seq)] = rows * scale if scale != 1 else rows

@@ -57,7 +57,7 @@ def make_cpu_runner(
         local_inv_freq, c.local_attention_factor = rope_parameters(spec, engine.config.limits.max_seq_len, local=True)
         c.local_inv_freq = local_inv_freq.tolist()
     c.activation = _ACTIVATIONS[spec.activation]
-    c.embedding_scale = spec.embedding_scale(engine.config.dtype)
+    c.embedding_scale = engine.config.embedding_scale
     c.sandwich_norms = spec.sandwich_norms
     c.attention_scale = spec.attention_scale
     c.attn_logit_softcap = spec.attn_logit_softcap or 0.0

@@ -57,6 +57,11 @@ class EngineConfig:
     generation: dict[str, Any] = field(default_factory=dict)  # sampling defaults from generation_config.json
     quant: QuantSection = field(default_factory=QuantSection)
 
+    @property
+    def embedding_scale(self) -> float:
+        """What the input embeddings are multiplied by (Gemma's sqrt(hidden), in this engine's dtype; else 1)."""
+        return self.model.embedding_scale(numpy_dtype(self.dtype))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": ENGINE_FORMAT,

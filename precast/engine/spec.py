@@ -27,7 +27,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -166,14 +165,14 @@ class ModelSpec:
         """What q.k is multiplied by before the softmax."""
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
-    def embedding_scale(self, dtype: str) -> float:
-        """embedding_multiplier as transformers applies it to weights of `dtype` (rounded to it)."""
-        numpy_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-        return float(np.asarray(self.embedding_multiplier, np.float32).astype(numpy_dtype).astype(np.float32))
+    def embedding_scale(self, weight_dtype: np.dtype) -> float:
+        """embedding_multiplier as transformers applies it to weights of `weight_dtype` (rounded to it); an engine's
+        is EngineConfig.embedding_scale."""
+        return float(np.asarray(self.embedding_multiplier, np.float32).astype(weight_dtype).astype(np.float32))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, except the Gemma-era ones while they are off: engines of other families stay readable by
-        precast versions that predate those fields."""
+        """Every field, except the Gemma and mixture-of-experts ones while they are off: engines of other families
+        stay readable by precast versions that predate those fields."""
         data = dataclasses.asdict(self)
         for f in dataclasses.fields(self):
             if f.name in _OMITTED_WHEN_DEFAULT and data[f.name] == f.default:
@@ -183,7 +182,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         fields = {f.name for f in dataclasses.fields(cls)}
-        # Engines written before a field existed: rotary_dim rotated all of head_dim; the Gemma fields were off.
+        # Engines written before a field existed: rotary_dim rotated all of head_dim; Gemma and MoE fields were off.
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         data = {**defaults, "rotary_dim": data.get("head_dim", 0), **data}
         unknown = set(data) - fields

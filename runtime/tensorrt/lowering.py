@@ -204,7 +204,7 @@ class DecoderLowering:
         # The residual stream is 2-D, [S * step, hidden]: every linear layer is one matrix product.
         x = ops.gather(self.weight("embed", slice(0, spec.vocab_size)), ops.reshape(input_ids, (-1,)), axis=0)
         if spec.embedding_multiplier != 1.0:
-            x = ops.elementwise("prod", x, self.scalar(spec.embedding_scale(self.engine.config.dtype), act, 2))
+            x = ops.elementwise("prod", x, self.scalar(self.engine.config.embedding_scale, act, 2))
         q_rows, kv_rows = spec.q_size, spec.kv_size
         for i in range(spec.num_layers):
             p = f"layers.{i}."

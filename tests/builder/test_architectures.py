@@ -8,7 +8,7 @@ import torch
 
 from precast.builder.architectures import find_architecture
 from precast.builder.build import BuildOptions, build_engine
-from precast.engine.directory import load_engine
+from precast.engine.directory import load_engine, numpy_dtype
 from precast.engine.rope import rope_parameters, rotary_row_order
 from precast.engine.spec import ModelSpec
 from tests.conftest import TINY_CONFIGS
@@ -200,7 +200,7 @@ def test_gemma_embedding_scale_is_rounded_like_transformers(hidden, dtype, torch
     """transformers multiplies embeddings by sqrt(hidden) cast to the weights' dtype (bf16: 25.298 -> 25.25 for 640)."""
     config = dict(TINY_CONFIGS["gemma2"][1], architectures=["Gemma2ForCausalLM"], hidden_size=hidden)
     spec = find_architecture(config).to_spec(config)
-    assert spec.embedding_scale(dtype) == torch.tensor(hidden**0.5).to(torch_dtype).item()
+    assert spec.embedding_scale(numpy_dtype(dtype)) == torch.tensor(hidden**0.5).to(torch_dtype).item()
 
 
 @pytest.mark.parametrize(
