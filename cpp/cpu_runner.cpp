@@ -442,9 +442,9 @@ void CpuRunner::run_moe(const Layer& L, int T) {
   apply(*L.router, std::string(), h_.data(), T, nullptr, router_logits_.data());  // never quantized, not observed
 
   // Routing, per token: softmax over every expert in float32, the K most probable (ties: the lower expert), their
-  // probabilities renormalised when the family does; then listed per expert with the token's slot.
-  routed_weight_.resize(size_t(T) * K);
-  std::vector<std::vector<std::pair<int, int>>> rows(E);  // expert -> (token, slot)
+  // probabilities renormalised when the family does; each listed with its expert as (token, weight).
+  expert_rows_.resize(E);
+  for (auto& rows : expert_rows_) rows.clear();  // keeps their capacity from step to step
   std::vector<int> order(E);
   std::vector<float> probs(E);
   for (int t = 0; t < T; ++t) {
@@ -458,30 +458,28 @@ void CpuRunner::run_moe(const Layer& L, int T) {
                       [&](int a, int b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
     float chosen = 0.0f;
     for (int k = 0; k < K; ++k) chosen += probs[order[k]];
-    for (int k = 0; k < K; ++k) {
-      routed_weight_[size_t(t) * K + k] = c.moe_renormalize ? probs[order[k]] / chosen : probs[order[k]];
-      rows[order[k]].push_back({t, k});
-    }
+    for (int k = 0; k < K; ++k)
+      expert_rows_[order[k]].push_back({t, c.moe_renormalize ? probs[order[k]] / chosen : probs[order[k]]});
   }
 
   // Each routed expert once, over its tokens' rows (the others' weights are never read), in expert order, each
   // token adding output x weight as it goes: every token sums its experts in expert order, as transformers does.
   std::fill(tmp_.begin(), tmp_.begin() + size_t(T) * H, 0.0f);
   for (int e = 0; e < E; ++e) {
-    const int n = int(rows[e].size());
+    const std::vector<std::pair<int, float>>& rows = expert_rows_[e];
+    const int n = int(rows.size());
     if (n == 0) continue;
     expert_in_.resize(size_t(n) * H);
     expert_gate_up_.resize(size_t(n) * 2 * MI);
     expert_act_.resize(size_t(n) * MI);
     expert_y_.resize(size_t(n) * H);
     for (int j = 0; j < n; ++j)
-      std::memcpy(expert_in_.data() + size_t(j) * H, h_.data() + size_t(rows[e][j].first) * H, sizeof(float) * H);
+      std::memcpy(expert_in_.data() + size_t(j) * H, h_.data() + size_t(rows[j].first) * H, sizeof(float) * H);
     apply(*L.expert_gate_up[e], L.expert_gate_up_names[e], expert_in_.data(), n, nullptr, expert_gate_up_.data());
     gated_activation(expert_gate_up_.data(), n, MI, c.activation, expert_act_.data());
     apply(*L.expert_down[e], L.expert_down_names[e], expert_act_.data(), n, nullptr, expert_y_.data());
     for (int j = 0; j < n; ++j) {
-      const auto [t, k] = rows[e][j];
-      const float w = routed_weight_[size_t(t) * K + k];
+      const auto [t, w] = rows[j];
       const float* o = expert_y_.data() + size_t(j) * H;
       float* y = tmp_.data() + size_t(t) * H;
       for (int i = 0; i < H; ++i) y[i] += o[i] * w;

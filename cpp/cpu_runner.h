@@ -182,8 +182,9 @@ class CpuRunner : public ModelRunner {
   KvPool eval_kv_;     // evaluate's own
   // Work buffers, grown to the largest batch seen.
   std::vector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_, quantized_input_;
-  std::vector<float> router_logits_, routed_weight_, expert_in_, expert_gate_up_, expert_act_, expert_y_;
-  ActivationObserver* observer_ = nullptr;  // not owned
+  std::vector<float> router_logits_, expert_in_, expert_gate_up_, expert_act_, expert_y_;
+  std::vector<std::vector<std::pair<int, float>>> expert_rows_;  // run_moe: per expert, its (token, weight)s
+  ActivationObserver* observer_ = nullptr;                       // not owned
 };
 
 }  // namespace precast
