@@ -16,6 +16,7 @@
 #include "guided_decoder.h"
 #include "kv_cache_manager.h"
 #include "model_runner.h"
+#include "proposer.h"
 #include "sampler.h"
 
 namespace py = pybind11;
@@ -63,6 +64,21 @@ class PyGuidedDecoder : public GuidedDecoder, public py::trampoline_self_life_su
   void advance(const std::vector<uint64_t>& guide_ids, const std::vector<TokenId>& tokens) override {
     PYBIND11_OVERRIDE_PURE(void, GuidedDecoder, advance, guide_ids, tokens);
   }
+};
+
+// Lets proposers written in Python (tests' scripted drafts) plug into the executor.
+class PyProposer : public Proposer, public py::trampoline_self_life_support {
+ public:
+  using Proposer::Proposer;
+  std::vector<std::vector<TokenId>> propose(const std::vector<DraftRequest>& requests) override {
+    py::gil_scoped_acquire gil;
+    py::function override = py::get_override(static_cast<const Proposer*>(this), "propose");
+    if (!override) throw std::runtime_error("Proposer.propose is not implemented");
+    py::list args;  // (request id, tokens so far, max draft tokens)
+    for (const DraftRequest& r : requests) args.append(py::make_tuple(r.id, *r.tokens, r.max_draft));
+    return override(args).cast<std::vector<std::vector<TokenId>>>();
+  }
+  void release(RequestId id) override { PYBIND11_OVERRIDE(void, Proposer, release, id); }
 };
 
 // Top log-probabilities as Python (token, logprob) tuples, one list per position.
@@ -141,7 +157,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("priority", &Request::priority)
       .def_readwrite("bad_words", &Request::bad_words)
       .def_readwrite("guide_id", &Request::guide_id)
-      .def_readwrite("prompt_logprobs", &Request::prompt_logprobs);
+      .def_readwrite("prompt_logprobs", &Request::prompt_logprobs)
+      .def_readwrite("speculative", &Request::speculative);
 
   py::enum_<FinishReason>(m, "FinishReason")
       .value("NONE", FinishReason::kNone)
@@ -161,6 +178,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("error", &Response::error)
       .def_readonly("num_prompt_tokens", &Response::num_prompt_tokens)
       .def_readonly("num_cached_prompt_tokens", &Response::num_cached_prompt_tokens)
+      .def_readonly("num_draft_tokens", &Response::num_draft_tokens)
+      .def_readonly("num_accepted_draft_tokens", &Response::num_accepted_draft_tokens)
       .def_property_readonly("finished", &Response::finished);
 
   py::class_<KvCacheStats>(m, "KvCacheStats")
@@ -185,7 +204,19 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("prompt_tokens", &ExecutorStats::prompt_tokens)
       .def_readonly("step_prompt_tokens", &ExecutorStats::step_prompt_tokens)
       .def_readonly("generated_tokens", &ExecutorStats::generated_tokens)
+      .def_readonly("draft_tokens", &ExecutorStats::draft_tokens)
+      .def_readonly("accepted_draft_tokens", &ExecutorStats::accepted_draft_tokens)
+      .def_readonly("speculative_steps", &ExecutorStats::speculative_steps)
+      .def_readonly("draft_seconds", &ExecutorStats::draft_seconds)
+      .def_readonly("verify_seconds", &ExecutorStats::verify_seconds)
       .def_readonly("kv", &ExecutorStats::kv);
+
+  py::class_<SpeculativeConfig>(m, "SpeculativeConfig")
+      .def(py::init<>())
+      .def_readwrite("num_draft_tokens", &SpeculativeConfig::num_draft_tokens)
+      .def_readwrite("adaptive", &SpeculativeConfig::adaptive)
+      .def_readwrite("max_draft_batch", &SpeculativeConfig::max_draft_batch)
+      .def_readwrite("draft_token_cost", &SpeculativeConfig::draft_token_cost);
 
   py::class_<ExecutorConfig>(m, "ExecutorConfig")
       .def(py::init<>())
@@ -197,7 +228,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("chunked_prefill", &ExecutorConfig::chunked_prefill)
       .def_readwrite("prefix_reuse", &ExecutorConfig::prefix_reuse)
       .def_readwrite("kv_events", &ExecutorConfig::kv_events)
-      .def_readwrite("eos_token_ids", &ExecutorConfig::eos_token_ids);
+      .def_readwrite("eos_token_ids", &ExecutorConfig::eos_token_ids)
+      .def_readwrite("speculative", &ExecutorConfig::speculative);
 
   py::class_<BatchSequence>(m, "BatchSequence")
       .def_readonly("request_id", &BatchSequence::request_id)
@@ -491,9 +523,24 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<GuidedDecoder, PyGuidedDecoder, py::smart_holder>(m, "GuidedDecoder").def(py::init<>());
 
+  py::class_<Proposer, PyProposer, py::smart_holder>(m, "Proposer")
+      .def(py::init<>())
+      .def("release", &Proposer::release);
+  py::class_<NgramProposer, Proposer, py::smart_holder>(m, "NgramProposer")
+      .def(py::init<int, int>(), py::arg("min_ngram"), py::arg("max_ngram"))
+      .def_static("lookup", &NgramProposer::lookup, py::arg("tokens"), py::arg("min_ngram"), py::arg("max_ngram"),
+                  py::arg("max_draft"), "The proposal for one token sequence (tests).");
+  py::class_<DraftModelProposer, Proposer, py::smart_holder>(m, "DraftModelProposer")
+      .def(py::init<std::shared_ptr<ModelRunner>, int64_t, int, int, int>(), py::arg("runner"),
+           py::arg("kv_cache_bytes"), py::arg("tokens_per_block"), py::arg("max_seq_len"), py::arg("max_num_tokens"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_kv_blocks", &DraftModelProposer::num_kv_blocks);
+
   py::class_<Executor, py::smart_holder>(m, "Executor")
-      .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>, std::shared_ptr<GuidedDecoder>>(), py::arg("config"),
-           py::arg("runner"), py::arg("guided") = nullptr, py::call_guard<py::gil_scoped_release>())
+      .def(py::init<ExecutorConfig, std::shared_ptr<ModelRunner>, std::shared_ptr<GuidedDecoder>,
+                    std::shared_ptr<Proposer>>(),
+           py::arg("config"), py::arg("runner"), py::arg("guided") = nullptr, py::arg("proposer") = nullptr,
+           py::call_guard<py::gil_scoped_release>())
       .def("enqueue", &Executor::enqueue)
       .def("await_responses", &Executor::await_responses, py::arg("timeout") = 0.1,
            py::call_guard<py::gil_scoped_release>())
@@ -590,6 +637,7 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate", &KvCacheManager::allocate)
       .def("commit", &KvCacheManager::commit)
       .def("free", &KvCacheManager::free)
+      .def("truncate", &KvCacheManager::truncate)
       .def("block_table", &KvCacheManager::block_table)
       .def("has_request", &KvCacheManager::has_request)
       .def("num_allocatable_blocks", &KvCacheManager::num_allocatable_blocks)

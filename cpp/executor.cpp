@@ -11,9 +11,25 @@
 
 namespace precast {
 
-Executor::Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner, std::shared_ptr<GuidedDecoder> guided)
-    : config_(std::move(config)), runner_(std::move(runner)), guided_(std::move(guided)) {
+Executor::Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner, std::shared_ptr<GuidedDecoder> guided,
+                   std::shared_ptr<Proposer> proposer)
+    : config_(std::move(config)),
+      runner_(std::move(runner)),
+      guided_(std::move(guided)),
+      proposer_(std::move(proposer)) {
   if (!runner_) throw std::invalid_argument("Executor needs a model runner");
+  const SpeculativeConfig& spec = config_.speculative;
+  if (spec.num_draft_tokens < 0 || spec.num_draft_tokens > 64)
+    throw std::invalid_argument("num_draft_tokens must be between 0 and 64, got " +
+                                std::to_string(spec.num_draft_tokens));
+  if (spec.num_draft_tokens > 0 && !proposer_)
+    throw std::invalid_argument("num_draft_tokens is set but no proposer was given (speculative decoding needs one)");
+  if (proposer_ && spec.num_draft_tokens > 0 && !runner_->supports_all_logits())
+    throw std::invalid_argument(
+        "speculative decoding checks every draft token's logits in one pass, which this backend does not return "
+        "(use the CPU backend, or turn speculation off)");
+  if (spec.max_draft_batch < 1 || !(spec.draft_token_cost >= 0.0))
+    throw std::invalid_argument("max_draft_batch must be >= 1 and draft_token_cost >= 0");
   int tokens_per_block = config_.tokens_per_block;
   if (runner_->slot_mode()) {
     // One block per request, holding a whole sequence; no prefix reuse possible.
@@ -161,6 +177,8 @@ void Executor::emit(std::vector<Response>&& responses) {
 void Executor::finish(RequestState& r, FinishReason reason, Response& response, const std::string& error) {
   response.finish_reason = reason;
   response.error = error;
+  response.num_draft_tokens = r.num_draft_tokens;
+  response.num_accepted_draft_tokens = r.num_accepted_draft_tokens;
   response.num_prompt_tokens = r.num_prompt;
   response.num_cached_prompt_tokens = r.num_cached_prompt;
 }
@@ -232,6 +250,7 @@ void Executor::cancel_now(const std::vector<RequestId>& ids) {
     if (auto r = scheduler_->remove(id)) {
       r->pending.request_id = id;
       finish(*r, FinishReason::kCancelled, r->pending);
+      if (proposer_) proposer_->release(id);
       cancelled.push_back(std::move(r->pending));
     }
   }
@@ -268,7 +287,10 @@ bool all_finite(const float* x, int n) {
 }
 }  // namespace
 
-void Executor::sample_into(RequestState& r, float* logits, int vocab, const int32_t* allowed, Response& resp) {
+// Samples the request's next token from its logits row and appends it; with a draft token, the sampler's
+// acceptance rule decides (returns whether the draft was kept). Ends the request at a stop or the length.
+bool Executor::sample_into(RequestState& r, float* logits, int vocab, const int32_t* allowed, Response& resp,
+                           TokenId draft) {
   const Request& q = r.request;
   std::vector<TokenId> banned;
   if (r.num_output() < q.min_tokens) {  // stop tokens may not end the output yet
@@ -276,13 +298,13 @@ void Executor::sample_into(RequestState& r, float* logits, int vocab, const int3
     if (!q.ignore_eos) banned.insert(banned.end(), config_.eos_token_ids.begin(), config_.eos_token_ids.end());
   }
   SampleResult sr =
-      sample_token(logits, vocab, q.sampling, r.tokens, r.num_output(), q.bad_words, banned, allowed, r.sampler);
+      sample_token(logits, vocab, q.sampling, r.tokens, r.num_output(), q.bad_words, banned, allowed, r.sampler, draft);
   if (sr.token < 0) {
     finish(r, FinishReason::kError, resp,
            "no token may come next: the request's grammar" + std::string(banned.empty() ? "" : ", min_tokens") +
                ", bad_words and logit_bias leave none (an output format that needs the end of text before "
                "min_tokens, or bans what the format requires)");
-    return;
+    return false;
   }
   r.tokens.push_back(sr.token);
   resp.new_tokens.push_back(sr.token);
@@ -298,10 +320,12 @@ void Executor::sample_into(RequestState& r, float* logits, int vocab, const int3
   } else if (r.num_output() >= q.max_tokens || int(r.tokens.size()) >= config_.max_seq_len) {
     finish(r, FinishReason::kLength, resp);
   }
+  return sr.accepted_draft;
 }
 
 // One step: pack the scheduled requests into a batch, run the model, update every request from its logits.
 void Executor::step() {
+  propose();
   const std::vector<ScheduledRequest> scheduled = scheduler_->schedule();
   if (scheduled.empty()) {
     // Nothing fits although requests wait: only possible when a waiting request can
@@ -311,8 +335,64 @@ void Executor::step() {
   }
   const Batch batch = pack(scheduled);
   std::string error;
+  const auto start = std::chrono::steady_clock::now();
   std::vector<float> logits = forward(batch, error);  // the sampler edits its rows in place
+  const bool checks_drafts =
+      std::any_of(scheduled.begin(), scheduled.end(), [](const ScheduledRequest& s) { return s.num_draft > 0; });
+  if (checks_drafts) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.verify_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   update(scheduled, logits, error);
+}
+
+// Speculative decoding: each running request that decodes (one token to compute) and may speculate gets
+// draft tokens from the proposer; the scheduler fits them into the step. Nothing is proposed when the step
+// would decode more than max_draft_batch requests, and a proposer that fails proposes nothing.
+void Executor::propose() {
+  const SpeculativeConfig& spec = config_.speculative;
+  if (!proposer_ || spec.num_draft_tokens < 1) return;
+  std::vector<DraftRequest> wanted;
+  std::vector<RequestState*> states;
+  int decoding = 0;
+  for (const auto& state : scheduler_->running()) {
+    RequestState& r = *state;
+    r.draft.clear();
+    if (r.num_computed + 1 != int(r.tokens.size())) continue;  // prefilling
+    ++decoding;
+    if (!r.request.speculative || r.request.guide_id != 0) continue;  // a grammar would have to check each draft
+    int k = spec.adaptive ? r.speculation.best_num_draft(spec.num_draft_tokens, spec.draft_token_cost)
+                          : spec.num_draft_tokens;
+    // The bonus token after the drafts counts too: stay within max_tokens and max_seq_len.
+    k = std::min({k, r.request.max_tokens - r.num_output() - 1, config_.max_seq_len - int(r.tokens.size()) - 1});
+    if (k < 1) continue;
+    wanted.push_back({r.id, &r.tokens, k});
+    states.push_back(&r);
+  }
+  if (wanted.empty() || decoding > spec.max_draft_batch) return;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::vector<TokenId>> drafts;
+  try {
+    drafts = proposer_->propose(wanted);
+  } catch (const std::exception&) {
+    drafts.clear();  // decoding goes on without drafts
+  }
+  const int vocab = runner_->vocab_size();
+  for (size_t i = 0; i < drafts.size() && i < states.size(); ++i) {
+    std::vector<TokenId>& d = drafts[i];
+    // A draft model's vocabulary may be larger than the target's: its tokens past ours end the draft.
+    const auto bad = std::find_if(d.begin(), d.end(), [&](TokenId t) { return t < 0 || t >= vocab; });
+    d.erase(bad, d.end());
+    if (int(d.size()) > wanted[i].max_draft) d.resize(wanted[i].max_draft);
+    states[i]->draft = std::move(d);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void Executor::retire(RequestId id) {
+  scheduler_->remove(id);
+  if (proposer_) proposer_->release(id);
 }
 
 Batch Executor::pack(const std::vector<ScheduledRequest>& scheduled) const {
@@ -325,10 +405,11 @@ Batch Executor::pack(const std::vector<ScheduledRequest>& scheduled) const {
     seq.num_tokens = s.num_tokens;
     seq.token_offset = int(batch.token_ids.size());
     seq.sample = s.sample;
-    seq.all_logits = needs_prompt_logits(r);
+    seq.all_logits = needs_prompt_logits(r) || s.num_draft > 0;  // with drafts: a row to check each
     seq.block_table = kv_->block_table(r.id);
+    const int num_real = s.num_tokens - s.num_draft;
     for (int i = 0; i < s.num_tokens; ++i) {
-      batch.token_ids.push_back(r.tokens[r.num_computed + i]);
+      batch.token_ids.push_back(i < num_real ? r.tokens[r.num_computed + i] : r.draft[i - num_real]);
       batch.positions.push_back(r.num_computed + i);
     }
     batch.sequences.push_back(std::move(seq));
@@ -356,7 +437,7 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
   std::vector<RequestId> finished;
   const int vocab = runner_->vocab_size();
   int row = 0, num_context = 0;
-  int64_t prompt_tokens = 0, generated = 0;
+  int64_t prompt_tokens = 0, generated = 0, draft_tokens = 0, accepted_drafts = 0, speculative_steps = 0;
   const StepMasks masks = error.empty() ? guide_masks(scheduled) : StepMasks{};
   std::vector<TokenId> guided_tokens(masks.guide_ids.size(), -1);  // per mask row: the token sampled
   for (size_t i = 0; i < scheduled.size(); ++i) {
@@ -370,35 +451,43 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
       finish(r, FinishReason::kError, resp, error);
     } else {
       prompt_tokens += std::max(0, std::min(r.num_prompt, r.num_computed + s.num_tokens) - r.num_computed);
-      const bool all_logits = needs_prompt_logits(r);  // as pack() saw it
-      if (all_logits) record_prompt_logprobs(r, logits.data() + int64_t(row) * vocab, s.num_tokens, resp);
-      row += all_logits ? s.num_tokens : int(s.sample);
-      r.num_computed += s.num_tokens;
-      kv_->commit(r.id, r.tokens, r.num_computed);
-      if (!s.sample) continue;
-      float* row_logits = logits.data() + int64_t(row - 1) * vocab;
-      if (!all_finite(row_logits, vocab)) {
-        finish(r, FinishReason::kError, resp,
-               "the model produced non-finite logits (NaN or Inf) at position " + std::to_string(r.num_computed) +
-                   "; the engine's weights or its float16 range may be at fault: check it with `precast inspect`, "
-                   "rebuild it (float16 overflows: --dtype bfloat16)");
-      } else if (mask_row >= 0 && !masks.errors[mask_row].empty()) {
-        finish(r, FinishReason::kError, resp, "structured output: " + masks.errors[mask_row]);
-      } else {
-        generated += 1;
+      const bool prompt_rows = needs_prompt_logits(r);  // as pack() saw it
+      if (prompt_rows) record_prompt_logprobs(r, logits.data() + int64_t(row) * vocab, s.num_tokens, resp);
+      row += prompt_rows || s.num_draft > 0 ? s.num_tokens : int(s.sample);
+      r.num_computed += s.num_tokens - s.num_draft;  // a draft token's K/V counts once the token is accepted
+      int step_accepted = 0;
+      if (s.sample) {
         const int32_t* allowed = mask_row >= 0 ? masks.words.data() + int64_t(mask_row) * masks.words_per_row : nullptr;
-        sample_into(r, row_logits, vocab, allowed, resp);
-        if (mask_row >= 0 && resp.finish_reason != FinishReason::kError) guided_tokens[mask_row] = r.tokens.back();
+        const std::string no_error;
+        const std::string& mask_error = mask_row >= 0 ? masks.errors[mask_row] : no_error;
+        float* rows = logits.data() + int64_t(row - 1 - s.num_draft) * vocab;
+        const int emitted = sample_rows(r, s.num_draft, rows, allowed, mask_error, resp, step_accepted);
+        generated += emitted;
+        if (mask_row >= 0 && emitted > 0 && resp.finish_reason != FinishReason::kError)
+          guided_tokens[mask_row] = r.tokens.back();
       }
+      if (s.num_draft > 0) {
+        r.speculation.observe(s.num_draft, step_accepted);
+        r.num_draft_tokens += s.num_draft;
+        r.num_accepted_draft_tokens += step_accepted;
+        draft_tokens += s.num_draft;
+        accepted_drafts += step_accepted;
+        speculative_steps += 1;
+      }
+      kv_->commit(r.id, r.tokens, r.num_computed);
+      if (s.num_draft > 0 && !resp.finished()) kv_->truncate(r.id, int(r.tokens.size()));
+      if (!s.sample) continue;
     }
     if (resp.finished()) finished.push_back(r.id);
+    resp.num_draft_tokens = r.num_draft_tokens;
+    resp.num_accepted_draft_tokens = r.num_accepted_draft_tokens;
     if (r.request.streaming || resp.finished()) {
       responses.push_back(std::move(resp));
       resp = Response();
     }
   }
   advance_guides(masks, guided_tokens);
-  for (RequestId id : finished) scheduler_->remove(id);
+  for (RequestId id : finished) retire(id);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.iterations += 1;
@@ -408,9 +497,42 @@ void Executor::update(const std::vector<ScheduledRequest>& scheduled, std::vecto
     stats_.prompt_tokens += prompt_tokens;
     stats_.step_prompt_tokens = int(prompt_tokens);
     stats_.generated_tokens += generated;
+    stats_.draft_tokens += draft_tokens;
+    stats_.accepted_draft_tokens += accepted_drafts;
+    stats_.speculative_steps += speculative_steps;
     refresh_stats_locked();
   }
   emit(std::move(responses));
+}
+
+// A sampling request's rows: the last one, or with drafts one per draft plus the bonus row after them. Row j
+// checks draft j; each accepted draft's K/V becomes valid (num_computed) and makes the next row valid; the first
+// rejection ends the run with the token the sampler drew instead, and the bonus row samples freely. Returns the
+// tokens emitted; `accepted` counts the drafts kept.
+int Executor::sample_rows(RequestState& r, int num_draft, float* rows, const int32_t* allowed,
+                          const std::string& mask_error, Response& resp, int& accepted) {
+  const int vocab = runner_->vocab_size();
+  int emitted = 0;
+  for (int j = 0; j <= num_draft; ++j) {
+    float* row_logits = rows + int64_t(j) * vocab;
+    if (!all_finite(row_logits, vocab)) {
+      finish(r, FinishReason::kError, resp,
+             "the model produced non-finite logits (NaN or Inf) at position " + std::to_string(r.num_computed) +
+                 "; the engine's weights or its float16 range may be at fault: check it with `precast inspect`, "
+                 "rebuild it (float16 overflows: --dtype bfloat16)");
+      break;
+    }
+    if (!mask_error.empty()) {
+      finish(r, FinishReason::kError, resp, "structured output: " + mask_error);
+      break;
+    }
+    emitted += 1;
+    const bool kept = sample_into(r, row_logits, vocab, allowed, resp, j < num_draft ? r.draft[j] : -1);
+    accepted += kept;
+    if (!kept || resp.finished()) break;
+    r.num_computed += 1;
+  }
+  return emitted;
 }
 
 // Whether this step must return logits for every token of the request's chunk: prompt positions whose

@@ -19,10 +19,21 @@
 #include "guided_decoder.h"
 #include "kv_cache_manager.h"
 #include "model_runner.h"
+#include "proposer.h"
 #include "request.h"
 #include "scheduler.h"
 
 namespace precast {
+
+// Speculative decoding (cpp/proposer.h): how many tokens a proposer may offer per request and step.
+struct SpeculativeConfig {
+  int num_draft_tokens = 0;  // at most this many per request and step; 0: off
+  bool adaptive = true;      // per request, fewer drafts while few are accepted (SpeculationState)
+  // A step with more decoding requests than this proposes nothing: the pass is no longer bound by reading
+  // the weights, so checked drafts cost nearly as much as the tokens they might save.
+  int max_draft_batch = 8;
+  double draft_token_cost = 0.1;  // one draft token's cost relative to a plain decode step (proposal + check)
+};
 
 struct ExecutorConfig {
   int max_batch_size = 64;
@@ -34,6 +45,7 @@ struct ExecutorConfig {
   bool prefix_reuse = true;
   bool kv_events = false;  // record prefix-cache changes for take_kv_events() (KV-aware routers)
   std::vector<TokenId> eos_token_ids;
+  SpeculativeConfig speculative;
 };
 
 struct ExecutorStats {
@@ -47,13 +59,22 @@ struct ExecutorStats {
   int64_t prompt_tokens = 0;   // computed prompt tokens (prefix hits excluded)
   int step_prompt_tokens = 0;  // of which in the last step
   int64_t generated_tokens = 0;
+  // Speculative decoding, cumulative: draft tokens checked and accepted, request-steps that checked drafts,
+  // and seconds spent proposing and in forward passes that checked drafts.
+  int64_t draft_tokens = 0;
+  int64_t accepted_draft_tokens = 0;
+  int64_t speculative_steps = 0;
+  double draft_seconds = 0.0;
+  double verify_seconds = 0.0;
   KvCacheStats kv;
 };
 
 class Executor {
  public:
-  // `guided` serves requests with a guide_id (structured outputs); may be null.
-  Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner, std::shared_ptr<GuidedDecoder> guided = nullptr);
+  // `guided` serves requests with a guide_id (structured outputs); `proposer` offers draft tokens
+  // (speculative decoding, config.speculative); either may be null.
+  Executor(ExecutorConfig config, std::shared_ptr<ModelRunner> runner, std::shared_ptr<GuidedDecoder> guided = nullptr,
+           std::shared_ptr<Proposer> proposer = nullptr);
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -91,14 +112,19 @@ class Executor {
   void cancel_now(const std::vector<RequestId>& ids);
   void fail_unfinished();
   void step();
+  void propose();
+  void retire(RequestId id);  // a finished or cancelled request leaves the scheduler and the proposer
   Batch pack(const std::vector<ScheduledRequest>& scheduled) const;
   std::vector<float> forward(const Batch& batch, std::string& error);
   void update(const std::vector<ScheduledRequest>& scheduled, std::vector<float>& logits, const std::string& error);
+  int sample_rows(RequestState& r, int num_draft, float* rows, const int32_t* allowed, const std::string& mask_error,
+                  Response& resp, int& accepted);
   bool needs_prompt_logits(const RequestState& r) const;
   void record_prompt_logprobs(RequestState& r, const float* rows, int num_tokens, Response& resp);
   StepMasks guide_masks(const std::vector<ScheduledRequest>& scheduled);
   void advance_guides(const StepMasks& masks, const std::vector<TokenId>& sampled);
-  void sample_into(RequestState& r, float* logits, int vocab, const int32_t* allowed, Response& resp);
+  bool sample_into(RequestState& r, float* logits, int vocab, const int32_t* allowed, Response& resp,
+                   TokenId draft = -1);
   void finish(RequestState& r, FinishReason reason, Response& response, const std::string& error = {});
   void validate(const Request& request) const;
   void emit(std::vector<Response>&& responses);
@@ -107,6 +133,7 @@ class Executor {
   ExecutorConfig config_;
   std::shared_ptr<ModelRunner> runner_;
   std::shared_ptr<GuidedDecoder> guided_;
+  std::shared_ptr<Proposer> proposer_;
   int num_blocks_ = 0;
   std::unique_ptr<KvCacheManager> kv_;
   std::unique_ptr<Scheduler> scheduler_;

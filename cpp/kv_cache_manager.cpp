@@ -124,17 +124,32 @@ void KvCacheManager::free(RequestId id) {
   // Release the tail first so that, among one request's blocks, the end of the prompt is
   // evicted before its beginning (a beginning is more likely to be shared).
   const std::vector<int>& blocks = it->second.blocks;
-  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) {
-    Block& blk = blocks_[*b];
-    PRECAST_CHECK(blk.ref_count > 0, "freeing unreferenced block " << *b);
-    if (--blk.ref_count > 0) continue;
-    if (blk.registered) {
-      blk.lru_pos = evictable_.insert(evictable_.end(), *b);
-    } else {
-      free_.push_back(*b);
-    }
-  }
+  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) release_block(*b);
   tables_.erase(it);
+}
+
+void KvCacheManager::truncate(RequestId id, int num_tokens) {
+  auto it = tables_.find(id);
+  PRECAST_CHECK(it != tables_.end(), "truncate for unknown request " << id);
+  Table& table = it->second;
+  const int keep = blocks_needed(num_tokens);
+  while (int(table.blocks.size()) > keep) {
+    release_block(table.blocks.back());
+    table.blocks.pop_back();
+  }
+  table.num_registered = std::min(table.num_registered, int(table.blocks.size()));
+}
+
+// One table's reference to `block` dropped: an unreferenced block is cached (registered) or free.
+void KvCacheManager::release_block(int block) {
+  Block& blk = blocks_[block];
+  PRECAST_CHECK(blk.ref_count > 0, "freeing unreferenced block " << block);
+  if (--blk.ref_count > 0) return;
+  if (blk.registered) {
+    blk.lru_pos = evictable_.insert(evictable_.end(), block);
+  } else {
+    free_.push_back(block);
+  }
 }
 
 const std::vector<int>& KvCacheManager::block_table(RequestId id) const {

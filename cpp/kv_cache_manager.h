@@ -76,6 +76,10 @@ class KvCacheManager {
   // Drop the request's references; registered blocks stay cached until evicted.
   void free(RequestId id);
 
+  // Release the request's blocks past those `num_tokens` tokens need (speculative decoding's
+  // rejected draft positions), last block first.
+  void truncate(RequestId id, int num_tokens);
+
   const std::vector<int>& block_table(RequestId id) const;
   bool has_request(RequestId id) const { return tables_.count(id) != 0; }
   int blocks_needed(int num_tokens) const { return (num_tokens + tokens_per_block_ - 1) / tokens_per_block_; }
@@ -102,6 +106,7 @@ class KvCacheManager {
   };
 
   static uint64_t chain_hash(uint64_t parent_hash, const TokenId* tokens, int n);
+  void release_block(int block);
   int take_block();
   void unregister(int block);
 

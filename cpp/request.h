@@ -37,6 +37,7 @@ struct Request {
   std::vector<std::vector<TokenId>> bad_words;  // token sequences never generated
   uint64_t guide_id = 0;                        // nonzero: a grammar of the executor's GuidedDecoder
   int prompt_logprobs = -1;  // -1: none; 0: each prompt token's log-probability; n: also the n best at each
+  bool speculative = true;   // may take proposed tokens when the executor has a proposer (false: plain decoding)
 };
 
 enum class FinishReason { kNone, kLength, kStop, kCancelled, kError };
@@ -58,6 +59,9 @@ struct Response {
   std::string error;  // set with kError
   int num_prompt_tokens = 0;
   int num_cached_prompt_tokens = 0;  // served from the prefix cache
+  // Speculative decoding so far (cumulative over the request): tokens proposed and checked, and accepted.
+  int num_draft_tokens = 0;
+  int num_accepted_draft_tokens = 0;
   bool finished() const { return finish_reason != FinishReason::kNone; }
 };
 

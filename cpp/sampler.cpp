@@ -54,29 +54,39 @@ void apply_penalties(float* logits, const SamplingParams& p, const std::vector<T
   }
 }
 
-// One draw from softmax(logits / temperature), truncated by top-k, top-p and min-p.
-// Without truncation this is a single pass over the vocabulary in index order; with it,
-// only as many of the most likely tokens are sorted as the truncation needs (64, then
-// 1024, ... until they cover top_p), never the whole vocabulary for nothing.
-TokenId draw(const float* logits, int vocab, const SamplingParams& p, SamplerState& state) {
+// The tokens a draw may pick and their weights: softmax(logits / temperature) unnormalised,
+// truncated by top-k, top-p and min-p to the first `keep` of `order`. Untruncated, `order` is
+// empty and every token is a candidate in index order (one pass, nothing sorted); truncated,
+// only as many of the most likely tokens are sorted as the truncation needs (64, then 1024,
+// ... until they cover top_p), never the whole vocabulary for nothing.
+struct Candidates {
+  std::vector<double> w;  // per token; banned tokens (-inf) weigh 0
+  std::vector<int> order;
+  int keep = 0;
+  double mass = 0.0;  // the candidates' total weight
+  bool truncated() const { return !order.empty(); }
+  double weight_of(int token) const {
+    if (!truncated()) return w[token];
+    for (int i = 0; i < keep; ++i)
+      if (order[i] == token) return w[token];
+    return 0.0;
+  }
+};
+
+Candidates candidates(const float* logits, int vocab, const SamplingParams& p) {
+  Candidates c;
   const float mx = *std::max_element(logits, logits + vocab);
   const double inv_t = 1.0 / p.temperature;
-  std::vector<double> w(vocab);
+  c.w.resize(vocab);
   double total = 0.0;
-  for (int i = 0; i < vocab; ++i) total += w[i] = std::exp((double(logits[i]) - mx) * inv_t);  // banned: -inf -> 0
-  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (int i = 0; i < vocab; ++i) total += c.w[i] = std::exp((double(logits[i]) - mx) * inv_t);
   const bool truncated = (p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0f || p.min_p > 0.0f;
   if (!truncated) {
-    double r = uniform(state.rng) * total;
-    int last_nonzero = 0;
-    for (int i = 0; i < vocab; ++i) {
-      if (w[i] <= 0) continue;
-      last_nonzero = i;
-      r -= w[i];
-      if (r < 0) return i;
-    }
-    return last_nonzero;  // rounding left r a hair above zero
+    c.keep = vocab;
+    c.mass = total;
+    return c;
   }
+  const std::vector<double>& w = c.w;
   // Tokens at least min_p times as likely as the best (whose weight is 1) stay candidates:
   // they are the first `min_p_count` in descending order.
   int min_p_count = vocab;
@@ -84,7 +94,8 @@ TokenId draw(const float* logits, int vocab, const SamplingParams& p, SamplerSta
     min_p_count = 0;
     for (int i = 0; i < vocab; ++i) min_p_count += w[i] >= p.min_p;
   }
-  std::vector<int> order(vocab);
+  std::vector<int>& order = c.order;
+  order.resize(vocab);
   std::iota(order.begin(), order.end(), 0);
   auto by_weight = [&](int a, int b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
   auto sort_prefix = [&](int m) { std::partial_sort(order.begin(), order.begin() + m, order.end(), by_weight); };
@@ -125,15 +136,25 @@ TokenId draw(const float* logits, int vocab, const SamplingParams& p, SamplerSta
       sort_prefix(limit);
     }
   }
-  keep = std::max(1, std::min(keep, min_p_count));
-  double kept = 0.0;
-  for (int i = 0; i < keep; ++i) kept += w[order[i]];
-  double r = uniform(state.rng) * kept;
-  for (int i = 0; i < keep; ++i) {
-    r -= w[order[i]];
-    if (r < 0) return order[i];
+  c.keep = std::max(1, std::min(keep, min_p_count));
+  for (int i = 0; i < c.keep; ++i) c.mass += w[order[i]];
+  return c;
+}
+
+// One draw from the candidates in proportion to their weights, `excluded` (if >= 0) left out.
+TokenId draw(const Candidates& c, SamplerState& state, TokenId excluded = -1) {
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  const double mass = c.mass - (excluded >= 0 ? c.weight_of(excluded) : 0.0);
+  double r = uniform(state.rng) * mass;
+  int last = -1;
+  for (int i = 0; i < c.keep; ++i) {
+    const int t = c.truncated() ? c.order[i] : i;
+    if (t == excluded || c.w[t] <= 0) continue;
+    last = t;
+    r -= c.w[t];
+    if (r < 0) return t;
   }
-  return order[keep - 1];
+  return last;  // rounding left r a hair above zero
 }
 
 // `token` with its log-probability and the `top` best of `logprobs` (ties: lower id first).
@@ -162,7 +183,8 @@ SampleResult score_token(const float* logits, int vocab, TokenId token, int top)
 
 SampleResult sample_token(float* logits, int vocab, const SamplingParams& p, const std::vector<TokenId>& context,
                           int num_output, const std::vector<std::vector<TokenId>>& bad_words,
-                          const std::vector<TokenId>& banned_now, const int32_t* allowed, SamplerState& state) {
+                          const std::vector<TokenId>& banned_now, const int32_t* allowed, SamplerState& state,
+                          TokenId draft) {
   SampleResult result;
   std::vector<float> logprobs;
   if (p.top_logprobs >= 0) log_softmax(logits, vocab, logprobs);
@@ -179,13 +201,26 @@ SampleResult sample_token(float* logits, int vocab, const SamplingParams& p, con
   if (p.temperature <= 0.0f) {
     // Greedy: the first maximum, so ties break the same way every time.
     result.token = TokenId(std::max_element(logits, logits + vocab) - logits);
+  } else if (draft < 0) {
+    result.token = draw(candidates(logits, vocab, p), state);
   } else {
-    result.token = draw(logits, vocab, p, state);
+    // Speculative decoding's rule (Leviathan et al. 2023; Chen et al. 2023) for a draft proposed
+    // deterministically, i.e. from a one-hot q: keep it with probability min(1, p(d) / q(d)) = p(d),
+    // else draw from max(0, p - q) renormalised, which is p without d. Either way the token is
+    // distributed as p, the distribution plain sampling draws from.
+    const Candidates c = candidates(logits, vocab, p);
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    const double p_draft = c.weight_of(draft) / c.mass;
+    result.token = uniform(state.rng) < p_draft ? draft : draw(c, state, draft);
+    if (result.token < 0) result.token = draft;  // only the draft had weight (p_draft rounded below 1)
   }
+  result.accepted_draft = draft >= 0 && result.token == draft;
 
   if (p.top_logprobs >= 0) {
     const TokenId token = result.token;
+    const bool accepted = result.accepted_draft;
     result = scored(logprobs, token, p.top_logprobs);
+    result.accepted_draft = accepted;
   }
   return result;
 }

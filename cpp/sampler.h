@@ -25,6 +25,7 @@ struct SampleResult {
   TokenId token = -1;  // -1: no token was allowed (the grammar, bans and biases left none)
   float logprob = 0.0f;
   std::vector<TokenLogprob> top;
+  bool accepted_draft = false;  // the token is the draft that was offered
 };
 
 // The log-probability of `token` under raw `logits` (log-softmax), and the `top` most likely tokens
@@ -35,9 +36,13 @@ SampleResult score_token(const float* logits, int vocab_size, TokenId token, int
 // `banned_now` lists tokens that may not be produced at this step (stop tokens before
 // min_tokens). `allowed`, when given, is a grammar's bitmask (guided_decoder.h). `logits` is
 // modified in place.
+//
+// `draft` >= 0 (speculative decoding): a token a proposer offered for this position. Greedy
+// keeps it only if it is the argmax; sampling keeps it or draws a replacement by the
+// rejection rule, so the token returned is distributed exactly as without a draft.
 SampleResult sample_token(float* logits, int vocab_size, const SamplingParams& params,
                           const std::vector<TokenId>& context, int num_output,
                           const std::vector<std::vector<TokenId>>& bad_words, const std::vector<TokenId>& banned_now,
-                          const int32_t* allowed, SamplerState& state);
+                          const int32_t* allowed, SamplerState& state, TokenId draft = -1);
 
 }  // namespace precast

@@ -22,6 +22,7 @@ void Scheduler::preempt_last() {
   running_.pop_back();
   kv_.free(victim->id);
   victim->num_computed = 0;
+  victim->draft.clear();
   ++preemptions_;
   add(std::move(victim));
 }
@@ -40,7 +41,16 @@ std::vector<ScheduledRequest> Scheduler::schedule() {
       if (!config_.chunked_prefill) break;
       n = budget;
     }
-    if (!kv_.allocate(r.id, r.num_computed + n)) {
+    // Draft tokens (speculative decoding) ride along where the budget and the KV blocks allow; they are
+    // dropped before anyone is preempted for them.
+    int num_draft = std::min(int(r.draft.size()), budget - n);
+    bool fits = kv_.allocate(r.id, r.num_computed + n + num_draft);
+    if (!fits && num_draft > 0) {
+      num_draft = 0;
+      fits = kv_.allocate(r.id, r.num_computed + n);
+    }
+    if (!fits) {
+      r.draft.clear();
       if (running_.size() - 1 == i) {  // r itself is the newest: preempt it and stop
         preempt_last();
         break;
@@ -48,8 +58,9 @@ std::vector<ScheduledRequest> Scheduler::schedule() {
       preempt_last();
       continue;  // retry r with the freed blocks
     }
-    out.push_back({&r, n, r.num_computed + n == int(r.tokens.size())});
-    budget -= n;
+    r.draft.resize(num_draft);
+    out.push_back({&r, n + num_draft, r.num_computed + n == int(r.tokens.size()), num_draft});
+    budget -= n + num_draft;
     ++i;
   }
 

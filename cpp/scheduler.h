@@ -19,6 +19,32 @@
 
 namespace precast {
 
+// Adaptive draft length for one request: per-token acceptance estimated from recent steps
+// (decayed counts of accepted and rejected drafts), and the number of drafts that maximises
+// expected tokens per unit of step cost, when each draft token costs `draft_token_cost` of a
+// plain decode step and the i-th is kept with probability acceptance^i.
+struct SpeculationState {
+  double accepted = 0.0, rejected = 0.0;
+  double acceptance() const { return (accepted + 1.0) / (accepted + rejected + 2.0); }
+  void observe(int num_draft, int num_accepted) {
+    constexpr double kDecay = 0.8;  // about the last five steps
+    accepted = kDecay * accepted + num_accepted;
+    rejected = kDecay * rejected + (num_accepted < num_draft ? 1.0 : 0.0);
+  }
+  int best_num_draft(int max_draft, double draft_token_cost) const {
+    const double a = acceptance();
+    int best = 1;
+    double best_rate = 0.0, expected = 1.0, a_pow = 1.0;  // expected tokens with k drafts: 1 + a + ... + a^k
+    for (int k = 1; k <= max_draft; ++k) {
+      a_pow *= a;
+      expected += a_pow;
+      const double rate = expected / (1.0 + draft_token_cost * k);
+      if (rate > best_rate) best_rate = rate, best = k;
+    }
+    return best;
+  }
+};
+
 struct RequestState {
   RequestId id = 0;
   Request request;
@@ -30,6 +56,10 @@ struct RequestState {
   bool admitted_once = false;
   int num_prompt_logprobs = 0;  // prompt positions whose next-token log-probability was reported
   SamplerState sampler;
+  std::vector<TokenId> draft;  // speculative decoding: tokens proposed to follow `tokens` in this step
+  SpeculationState speculation;
+  int num_draft_tokens = 0;  // drafts checked and accepted over the request's life
+  int num_accepted_draft_tokens = 0;
   Response pending;  // output not yet handed to the client (all of it, for non-streaming requests)
   RequestState(RequestId id_, Request req, uint64_t arrival_, uint64_t seed)
       : id(id_), request(std::move(req)), arrival(arrival_), sampler(seed) {
@@ -41,8 +71,9 @@ struct RequestState {
 
 struct ScheduledRequest {
   RequestState* state;
-  int num_tokens;
+  int num_tokens;  // computed this step, drafts included
   bool sample;
+  int num_draft = 0;  // the last num_draft of them are the request's draft tokens, each checked this step
 };
 
 struct SchedulerConfig {

@@ -125,7 +125,14 @@ def _sampling_from(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
 def _run(args: argparse.Namespace) -> None:
     from precast.runtime import LLM
 
-    with LLM(args.engine, backend=args.backend, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads) as llm:
+    with LLM(
+        args.engine,
+        backend=args.backend,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.threads,
+        speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens,
+    ) as llm:
         params = _sampling_from(args, llm.engine.config.generation)
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         if args.stream:
@@ -139,7 +146,8 @@ def _run(args: argparse.Namespace) -> None:
         if out is not None and out.error:
             raise PrecastError(out.error)
         if args.verbose and out is not None:
-            print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}]", file=sys.stderr)
+            drafts = f", {out.num_accepted_draft_tokens}/{out.num_draft_tokens} draft tokens accepted" if args.speculative else ""
+            print(f"[{len(out.token_ids)} tokens, finish: {out.finish_reason}{drafts}]", file=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -164,6 +172,8 @@ def _serve(args: argparse.Namespace) -> None:
         backend=args.backend,
         chat_template=args.chat_template,
         kv_events_endpoint=args.kv_events_endpoint,
+        speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens,
     )
 
 
@@ -190,6 +200,8 @@ def _serve_replicas(args: argparse.Namespace, api_key: str | None) -> None:
         chat_template=read_chat_template(args.chat_template),
         kv_events=args.kv_events,
         backend=args.backend,
+        speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens,
     )
     scale = ScaleOptions(
         replicas=args.replicas or 1,
@@ -225,6 +237,8 @@ def _triton_repo(args: argparse.Namespace) -> None:
         not args.no_prefix_reuse,
         args.threads,
         args.force,
+        args.speculative,
+        args.num_draft_tokens,
     )
     print(f"wrote {out}/{args.model_name} ({'decoupled' if args.decoupled else 'not decoupled'}); start it with `precast triton {out}`")
 
@@ -263,6 +277,16 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
         help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: "
         "that plan's network evaluated in numpy on the CPU (slow, for checking)",
     )
+
+
+def _add_speculative(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        metavar="METHOD",
+        help="speculative decoding (docs/speculative.md): ngram (prompt lookup) or draft=ENGINE_DIR (a smaller engine "
+        "with the same tokenizer); greedy output is unchanged, sampled output keeps its distribution",
+    )
+    parser.add_argument("--num-draft-tokens", type=int, help="most tokens proposed per request and step (default: ngram 5, draft 4)")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -322,6 +346,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-cache-memory", type=memory_size, help="KV cache size, e.g. 2GiB (default: a quarter of free RAM)")
     r.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     _add_backend(r)
+    _add_speculative(r)
     r.add_argument("--verbose", action="store_true", help="print token count and finish reason to stderr")
     r.set_defaults(func=_run)
 
@@ -350,6 +375,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--kv-cache-memory", type=memory_size, help="KV cache size, e.g. 2GiB")
     v.add_argument("--threads", type=int, help="CPU threads (default: all cores available)")
     _add_backend(v)
+    _add_speculative(v)
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     ray = v.add_argument_group("replicas behind Ray Serve (docs/deploy.md; needs the serve extra)")
     ray.add_argument("--replicas", type=int, help="serve N replicas, each one LLM with --threads threads (default threads: cores / N)")
@@ -382,6 +408,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-chunked-prefill", action="store_true")
     t.add_argument("--no-prefix-reuse", action="store_true")
     t.add_argument("--threads", type=int, help="CPU threads per instance")
+    _add_speculative(t)
     t.add_argument("--force", action="store_true", help="replace --output if it exists")
     t.set_defaults(func=_triton_repo)
 

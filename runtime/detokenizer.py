@@ -33,6 +33,10 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text already returned
         self.stopped = False
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """Feed new tokens; returns the text that is now safe to show."""
         if self.stopped:

@@ -29,6 +29,7 @@ from precast.runtime.cpu_backend import default_num_threads, make_cpu_runner
 from precast.runtime.detokenizer import IncrementalDetokenizer
 from precast.runtime.guided import GuidedDecoding
 from precast.runtime.sampling_params import SamplingParams, engine_defaults
+from precast.runtime.speculative import make_proposer, parse_speculative
 from precast.runtime.tensorrt.runner import make_tensorrt_runner
 from precast.runtime.tokenizer import Tokenizer
 
@@ -57,6 +58,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "length", "stop", "cancelled", "error"
     error: str | None = None
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: proposed tokens checked for this request, and accepted
+    num_accepted_draft_tokens: int = 0
     ends_with_stop_token: bool = False  # the last token is the eos or stop token that ended it (not in the text)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[float | None] = field(default_factory=list)
@@ -105,6 +108,7 @@ class _Tracker:
             o.prompt_logprobs += list(resp.prompt_logprobs)
             o.prompt_top_logprobs += [list(t) for t in resp.prompt_top_logprobs]
         o.num_cached_tokens = max(o.num_cached_tokens, resp.num_cached_prompt_tokens)
+        o.num_draft_tokens, o.num_accepted_draft_tokens = resp.num_draft_tokens, resp.num_accepted_draft_tokens
         finished = resp.finished
         if finished:
             o.finish_reason = _FINISH_REASONS[resp.finish_reason]
@@ -114,7 +118,22 @@ class _Tracker:
             # A stop token ends the request but is not part of the text.
             o.ends_with_stop_token = finished and o.finish_reason == "stop" and bool(new) and new[-1] in self.stop_ids
             shown = new[:-1] if o.ends_with_stop_token else new
-            o.delta = self.detok.add(shown, final=finished)
+            if self.detok.has_stop_strings:
+                # Token by token: a response may carry several (speculative decoding), and the output ends at
+                # the one that completes a stop string; any after it are dropped.
+                o.delta = ""
+                for i, token in enumerate(shown):
+                    o.delta += self.detok.add([token], final=finished and i == len(shown) - 1)
+                    if self.detok.stopped:
+                        extra = len(new) - i - 1  # the tokens after this one (a stop token too)
+                        if extra:
+                            del o.token_ids[-extra:], o.delta_token_ids[-extra:]
+                            del o.logprobs[len(o.token_ids) :], o.top_logprobs[len(o.token_ids) :]
+                        break
+                if not shown:
+                    o.delta = self.detok.add([], final=finished)
+            else:
+                o.delta = self.detok.add(shown, final=finished)
             if self.detok.stopped:
                 # A stop string: the text is cut there and the request ends now.
                 if not finished:
@@ -183,11 +202,20 @@ class LLM:
         prefix_reuse: bool = True,
         chat_template: str | None = None,
         kv_events: bool = False,
+        speculative: str | None = None,
+        num_draft_tokens: int | None = None,
     ) -> None:
         """`chat_template`: Jinja source used instead of the engine's own (for instance one that renders tools).
-        `kv_events`: record prefix-cache changes for take_kv_events() (KV-aware routing)."""
+        `kv_events`: record prefix-cache changes for take_kv_events() (KV-aware routing).
+        `speculative`: "ngram" or "draft=ENGINE_DIR" (runtime/speculative.py), with up to `num_draft_tokens`
+        proposed tokens per request and step; a request opts out with SamplingParams(speculative=False)."""
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
+        self.speculation = None if speculative is None else parse_speculative(speculative, num_draft_tokens)
+        if speculative is None and num_draft_tokens is not None:
+            raise PrecastError("num_draft_tokens needs speculative= (ngram or draft=ENGINE_DIR)")
+        if self.speculation is not None and backend != "cpu":
+            raise PrecastError(f"speculative decoding runs on the cpu backend; the {backend} runner returns no logits per draft token")
         self.num_threads: int | None = None  # CPU threads; None on a GPU backend
         if backend == "cpu":
             self.num_threads = num_threads or default_num_threads()
@@ -216,8 +244,11 @@ class LLM:
         # Structured outputs: grammars by guide id; llguidance's tokenizer is built at the first guided request.
         tokenizer_file = self.engine.tokenizer_path if self.tokenizer is not None else None
         self._guided = GuidedDecoding(tokenizer_file, self._runner.vocab_size(), self.eos_token_ids)
+        proposer = None
+        if self.speculation is not None:
+            proposer, config.speculative = make_proposer(self.speculation, self.engine, self.num_threads or 1, config.kv_cache_bytes)
         try:
-            self._executor = _C.Executor(config, self._runner, self._guided)
+            self._executor = _C.Executor(config, self._runner, self._guided, proposer)
         except ValueError as e:
             raise PrecastError(str(e)) from e
         self.max_seq_len = limits.max_seq_len

@@ -71,6 +71,7 @@ class SamplingParams:
     )
     skip_special_tokens: bool = knob(True, help="leave special tokens out of the text", cli=False)
     priority: int = knob(0, help="higher first among waiting requests", cli=False)
+    speculative: bool = knob(True, help="may use the server's speculative decoding (false: plain decoding)", cli=False, triton="TYPE_BOOL")
     logit_bias: dict[int, float] | None = knob(
         None, help="token id -> a number added to its logit before sampling (-100 bans it)", ge=-100, le=100, cli=False
     )
@@ -111,6 +112,7 @@ class SamplingParams:
         req.ignore_eos = self.ignore_eos
         req.streaming = streaming or bool(self.stop)  # stop strings are matched on streamed text
         req.priority = self.priority
+        req.speculative = self.speculative
         req.bad_words = bad_word_ids
         s = _C.SamplingParams()
         s.temperature = self.temperature

@@ -67,6 +67,8 @@ class ReplicaOptions:
     chat_template: str | None = None  # Jinja source, read once by the caller
     kv_events: bool = False  # publish KV-cache events on an ephemeral port of the replica's node (listed by /replicas)
     backend: str = "cpu"
+    speculative: str | None = None  # runtime/speculative.py: ngram | draft=ENGINE_DIR
+    num_draft_tokens: int | None = None
 
 
 @dataclass
@@ -96,6 +98,8 @@ class PrecastReplica:
             num_threads=options.num_threads,
             chat_template=options.chat_template,
             kv_events=options.kv_events,
+            speculative=options.speculative,
+            num_draft_tokens=options.num_draft_tokens,
         )
         self.app = make_app(
             self.llm, options.model_name, options.api_key, options.max_concurrency, options.max_request_bytes

@@ -31,6 +31,14 @@ _EXECUTOR_FAMILIES = [
     ("counter", "precast_generation_tokens", "vllm:generation_tokens", "Tokens generated.", "generated_tokens"),
     ("counter", "precast_num_preemptions", "vllm:num_preemptions", "Requests preempted for lack of KV cache blocks.", "preemptions"),
     ("counter", "precast_iterations", None, "Executor steps run.", "iterations"),
+    # Speculative decoding (zero without it); vLLM's spec_decode counters.
+    ("counter", "precast_spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Proposed tokens checked by the target.", "draft_tokens"),
+    ("counter", "precast_spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", "accepted_draft_tokens"),
+    ("counter", "precast_spec_decode_drafts", "vllm:spec_decode_num_drafts", "Request-steps that checked proposed tokens.", "speculative_steps"),
+    ("gauge", "precast_spec_decode_acceptance_rate", None, "Accepted / proposed tokens so far.", "acceptance_rate"),
+    ("gauge", "precast_spec_decode_mean_accepted_tokens", None, "Accepted proposed tokens per request-step that checked some.", "mean_accepted"),
+    ("counter", "precast_spec_decode_draft_seconds", None, "Time spent proposing tokens.", "draft_seconds"),
+    ("counter", "precast_spec_decode_verify_seconds", None, "Time in forward passes that checked proposed tokens.", "verify_seconds"),
 ]  # fmt: skip
 
 
@@ -56,6 +64,13 @@ class _ExecutorCollector(Collector):
             "generated_tokens": s.generated_tokens,
             "preemptions": s.preemptions,
             "iterations": s.iterations,
+            "draft_tokens": s.draft_tokens,
+            "accepted_draft_tokens": s.accepted_draft_tokens,
+            "speculative_steps": s.speculative_steps,
+            "acceptance_rate": s.accepted_draft_tokens / max(s.draft_tokens, 1),
+            "mean_accepted": s.accepted_draft_tokens / max(s.speculative_steps, 1),
+            "draft_seconds": s.draft_seconds,
+            "verify_seconds": s.verify_seconds,
         }
 
     def collect(self) -> Iterator[Any]:

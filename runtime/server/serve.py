@@ -58,12 +58,21 @@ def serve(
     backend: str = "cpu",
     chat_template: str | Path | None = None,
     kv_events_endpoint: str | None = None,
+    speculative: str | None = None,
+    num_draft_tokens: int | None = None,
 ) -> None:
     name = model_name or Path(engine).resolve().name
     template = read_chat_template(chat_template)
     kv_events = kv_events_endpoint is not None
     with LLM(
-        engine, backend=backend, kv_cache_memory=kv_cache_memory, num_threads=num_threads, chat_template=template, kv_events=kv_events
+        engine,
+        backend=backend,
+        kv_cache_memory=kv_cache_memory,
+        num_threads=num_threads,
+        chat_template=template,
+        kv_events=kv_events,
+        speculative=speculative,
+        num_draft_tokens=num_draft_tokens,
     ) as llm:
         publisher = KvEventPublisher(llm, kv_events_endpoint) if kv_events_endpoint else None
         app = make_app(llm, name, api_key=api_key, max_concurrency=max_concurrency, max_request_bytes=max_request_bytes)

@@ -21,6 +21,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, str]]] = {
     "precast_token_metrics": ("precast token counts", "token_type", {"input": "prompt_tokens", "output": "generated_tokens"}),
     "precast_general_metrics": ("precast executor counters", "general_type",
                                 {"iteration_counter": "iterations", "preemptions": "preemptions"}),
+    "precast_speculative_metrics": ("precast speculative decoding", "speculative_type",
+                                    {"draft_tokens": "draft_tokens", "accepted_draft_tokens": "accepted_draft_tokens",
+                                     "steps": "speculative_steps", "acceptance_rate": "acceptance_rate"}),
     "nv_trt_llm_general_metrics": ("General TRT LLM metrics", "general_type",
                                    {"iteration_counter": "iterations", "timestamp": "timestamp_us"}),
     "precast_request_metrics": ("precast requests by state", "request_type",
@@ -75,6 +78,10 @@ class TritonMetrics:
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
             "step_prompt_tokens": s.step_prompt_tokens,
+            "draft_tokens": s.draft_tokens,
+            "accepted_draft_tokens": s.accepted_draft_tokens,
+            "speculative_steps": s.speculative_steps,
+            "acceptance_rate": s.accepted_draft_tokens / max(s.draft_tokens, 1),
             "micro_batch_id": 0,  # one micro-batch: no pipeline parallelism
             "timestamp_us": time.time() * 1e6,
         }

@@ -43,6 +43,8 @@ class TritonPythonModel:
             chunked_prefill=p.get("enable_chunked_prefill", "true").lower() == "true",
             prefix_reuse=p.get("enable_kv_cache_reuse", "true").lower() == "true",
             num_threads=int(p["num_threads"]) if p.get("num_threads", "").strip() else None,
+            speculative=p.get("speculative", "").strip() or None,
+            num_draft_tokens=int(p["num_draft_tokens"]) if p.get("num_draft_tokens", "").strip() else None,
         )
         self.by_triton_id: dict[str, int] = {}  # Triton request id -> precast request id, while in flight
         self.stopped: set[str] = set()  # Triton request ids ended by a `stop` request

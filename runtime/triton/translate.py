@@ -195,4 +195,8 @@ def output_tensors(out: Any, flags: dict[str, bool], prompt_ids: list[int], cumu
     tensors.append(pb_utils.Tensor("cum_log_probs", np.asarray([[total]], dtype=np.float32)))
     tensors.append(pb_utils.Tensor("batch_index", np.zeros((1, 1), dtype=np.int32)))
     tensors.append(pb_utils.Tensor("sequence_index", np.zeros((1, 1), dtype=np.int32)))
+    rate = out.num_accepted_draft_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0
+    tensors.append(pb_utils.Tensor("acceptance_rate", np.asarray([[rate]], dtype=np.float32)))
+    tensors.append(pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([[out.num_accepted_draft_tokens]], dtype=np.int32)))
+    tensors.append(pb_utils.Tensor("total_draft_tokens", np.asarray([[out.num_draft_tokens]], dtype=np.int32)))
     return tensors

@@ -38,6 +38,26 @@ def test_prefix_reuse_counts_and_lru():
     kv.check_integrity()
 
 
+def test_truncate_returns_rejected_draft_blocks():
+    """Speculative decoding: blocks allocated for proposed tokens that were rejected go back to the pool; the
+    registered blocks before them stay in the table and in the prefix cache."""
+    kv = _C.KvCacheManager(8, B)
+    tokens = list(range(9))
+    kv.match_prefix(1, tokens)
+    assert kv.allocate(1, 9 + 8)  # 9 tokens + 8 proposed: 5 blocks
+    assert len(kv.block_table(1)) == 5
+    kv.commit(1, tokens + [50], 10)  # one proposal accepted: 10 computed, 2 full blocks registered
+    kv.truncate(1, 11)  # 10 accepted + the bonus token: 3 blocks
+    assert len(kv.block_table(1)) == 3
+    s = kv.stats()
+    assert s.used_blocks == 3 and s.free_blocks == 5 and s.cached_blocks == 2
+    kv.truncate(1, 11)  # idempotent
+    kv.check_integrity()
+    kv.free(1)
+    assert kv.match_prefix(2, tokens + [50]) == 8  # the registered prefix is still found
+    kv.check_integrity()
+
+
 def test_match_needs_exact_tokens_and_chain():
     kv = _C.KvCacheManager(8, B)
     a = [1, 2, 3, 4, 5, 6, 7, 8, 9]

@@ -94,7 +94,10 @@ def triton(smollm2_bf16_engine, tmp_path_factory):
     """One server, two models: `precast` (decoupled, streaming) and `precast_sync` (one response per request)."""
     root = tmp_path_factory.mktemp("triton")
     repo = write_model_repository(smollm2_bf16_engine, root / "repo", "precast", decoupled=True, kv_cache_memory=256 << 20)
-    sync = write_model_repository(smollm2_bf16_engine, root / "sync", "precast_sync", decoupled=False, kv_cache_memory=256 << 20)
+    # The non-decoupled model speculates (prompt lookup): its greedy output must be plain decoding's all the same.
+    sync = write_model_repository(
+        smollm2_bf16_engine, root / "sync", "precast_sync", decoupled=False, kv_cache_memory=256 << 20, speculative="ngram"
+    )
     shutil.move(str(sync / "precast_sync"), str(repo / "precast_sync"))
     proc, ports, log = start_tritonserver(repo)
     yield ports
@@ -354,7 +357,8 @@ def trtllm_inputs(module, prompt: str, max_tokens: int, stream: bool, **extra):
     return tensors
 
 
-TRTLLM_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index")
+TRTLLM_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index",
+                  "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")  # fmt: skip
 
 
 def test_a_tensorrtllm_backend_client_works_unchanged(triton, smollm2_llm):
@@ -369,6 +373,9 @@ def test_a_tensorrtllm_backend_client_works_unchanged(triton, smollm2_llm):
     np.testing.assert_allclose(r.as_numpy("output_log_probs")[0][0], want.logprobs, atol=1e-5)
     np.testing.assert_allclose(r.as_numpy("cum_log_probs")[0][0], sum(want.logprobs), atol=1e-4)
     assert r.as_numpy("batch_index").tolist() == [[0]] and r.as_numpy("sequence_index").tolist() == [[0]]
+    drafted, accepted = r.as_numpy("total_draft_tokens")[0][0], r.as_numpy("total_accepted_draft_tokens")[0][0]
+    assert 0 <= accepted <= drafted
+    assert r.as_numpy("acceptance_rate")[0][0] == pytest.approx(accepted / drafted if drafted else 0.0)
 
     # the same over a decoupled gRPC stream, with stop words, bad words, a JSON schema and an embedding bias
     schema = {
