@@ -176,7 +176,9 @@ def _llamacpp_worker(spec: str) -> None:
     rows, plain_rate = [], {}
     for proposer in ("none", "prompt lookup"):
         draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if proposer != "none" else None
-        llm = Llama(gguf, n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False)
+        # Checking drafts reads the logits of every position: llama-cpp-python needs logits_all for it.
+        llm = Llama(gguf, n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft, logits_all=draft is not None,
+                    verbose=False)  # fmt: skip
         for task in TASKS:
             prompt = llm.tokenizer_.tokenize(_chat_text(llm, task).encode(), add_bos=False, special=True)
             rates = []
@@ -218,6 +220,7 @@ def main() -> None:
     parser.add_argument("--engines", type=Path, default=Path("/tmp/precast-speculative-engines"), help="built once, reused")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--skip-batch", action="store_true")
+    parser.add_argument("--skip-precast", action="store_true", help="only llama.cpp and the 32-way run")
     parser.add_argument("--llamacpp-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llamacpp_worker:
@@ -226,7 +229,7 @@ def main() -> None:
     from precast.packaged import packaged_model_path
 
     engines = build_engines(args.engines)
-    rows = bench_precast(engines, args.tokens, args.repeats, args.threads)
+    rows = [] if args.skip_precast else bench_precast(engines, args.tokens, args.repeats, args.threads)
     if not args.skip_llamacpp:
         rows += bench_llamacpp(packaged_model_path(TARGET), args.tokens, args.repeats, args.threads)
     batch = None if args.skip_batch else bench_batch(engines["1.5b-bf16"], args.threads, 64)

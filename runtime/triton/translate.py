@@ -131,7 +131,7 @@ def parse_request(get: Any, tokenizer: Any) -> tuple[list[int] | str, SamplingPa
             continue
         value = scalar(get(name))
         if value is not None:
-            setattr(params, f.name, {"int": int, "float": float}[field_type(f)](value))
+            setattr(params, f.name, {"int": int, "float": float, "bool": bool}[field_type(f)](value))
     end_id = scalar(get("end_id"))
     if end_id is not None:
         params.stop_token_ids = [int(end_id)]

@@ -263,3 +263,14 @@ def test_serve_with_ngram_speculation(smollm2_bf16_engine, smollm2_llm):
         assert metric(base, "precast_spec_decode_draft_tokens_total") == drafted  # nothing proposed for it
     finally:
         stop_server(proc)
+
+
+def test_triton_request_may_opt_out():
+    """The Triton model's `speculative` BOOL input (from SamplingParams' schema) reaches the request."""
+    from precast.runtime.triton.translate import parse_request
+
+    inputs = {"input_ids": np.array([[1, 2, 3]], dtype=np.int32)}
+    _, params, _ = parse_request(inputs.get, None)
+    assert params.speculative is True
+    _, params, _ = parse_request((inputs | {"speculative": np.array([[False]])}).get, None)
+    assert params.speculative is False
