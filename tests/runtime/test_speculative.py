@@ -274,3 +274,20 @@ def test_triton_request_may_opt_out():
     assert params.speculative is True
     _, params, _ = parse_request((inputs | {"speculative": np.array([[False]])}).get, None)
     assert params.speculative is False
+
+
+def test_greedy_identical_on_every_tiny_architecture(tiny_engines):
+    """Each tiny family (GQA, sliding windows, Gemma's soft-caps, mixtures of experts, ...): prompt lookup and a
+    half-wrong scripted proposer give plain decoding's tokens, in a batch of three."""
+    prompts = [[5, 17, 99, 3, 42, 8, 5, 17, 99], [7, 7, 7, 7, 7, 7], list(range(10, 50))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for name, engine in tiny_engines.items():
+        with LLM(engine) as plain:
+            want = [o.token_ids for o in plain.generate(prompts, params)]
+        reference = {tuple(p): p + w for p, w in zip(prompts, want)}
+        for speculative in ("ngram", ScriptedProposer(reference, vocab=128)):
+            with LLM(engine, speculative=speculative, num_draft_tokens=4) as spec:
+                got = [o.token_ids for o in spec.generate(prompts, params)]
+                assert got == want, (name, speculative)
+                assert spec.stats().draft_tokens > 0, name
+                spec.check_integrity()
