@@ -34,6 +34,7 @@ std::vector<std::vector<TokenId>> DraftModelProposer::propose(const std::vector<
     std::vector<TokenId>* cached;  // tokens whose K/V the pool holds: always a prefix of seq
     int max_draft;
   };
+  const int vocab = runner_->vocab_size();
   std::vector<std::vector<TokenId>> drafts(requests.size());
   std::vector<Job> jobs;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -48,7 +49,6 @@ std::vector<std::vector<TokenId>> DraftModelProposer::propose(const std::vector<
     // K/V is written for every input: the tokens not cached yet and all drafts but the last.
     const int needed = int(tokens.size()) + r.max_draft - 1;
     // Past the draft's own limits, or a token its (possibly smaller, padded) vocabulary lacks: no proposal.
-    const int vocab = runner_->vocab_size();
     const bool foreign =
         std::any_of(tokens.begin() + cached.size(), tokens.end(), [&](TokenId t) { return t < 0 || t >= vocab; });
     if (needed > max_seq_len_ || foreign) {
@@ -99,7 +99,6 @@ std::vector<std::vector<TokenId>> DraftModelProposer::propose(const std::vector<
     }
     if (in_batch.empty()) break;
     const std::vector<float> logits = runner_->forward(batch);
-    const int vocab = runner_->vocab_size();
     PRECAST_CHECK(logits.size() == size_t(batch.num_logit_rows()) * vocab, "draft runner returned " << logits.size());
     int row = 0;
     for (size_t b = 0; b < in_batch.size(); ++b) {

@@ -32,7 +32,9 @@ struct SpeculativeConfig {
   // A step with more decoding requests than this proposes nothing: the pass is no longer bound by reading
   // the weights, so checked drafts cost nearly as much as the tokens they might save.
   int max_draft_batch = 8;
-  double draft_token_cost = 0.1;  // one draft token's cost relative to a plain decode step (proposal + check)
+  // One draft token's cost relative to a plain decode step: checking it adds a row to a pass that reads the weights
+  // once anyway (0.05); a draft model's own step adds its share (runtime/speculative.py).
+  double draft_token_cost = 0.05;
 };
 
 struct ExecutorConfig {

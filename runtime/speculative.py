@@ -23,9 +23,6 @@ from precast.runtime.cpu_backend import make_cpu_runner
 METHODS = ("ngram", "draft=ENGINE_DIR")
 DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 5, "draft": 4}
 NGRAM_SIZES = (1, 3)  # prompt lookup matches the last 3, then 2, then 1 token(s)
-# One checked draft token's cost relative to a plain decode step, for the adaptive draft length: the extra rows
-# of the target's pass (the weights are read once for all of them), plus the draft model's own step where there is one.
-VERIFY_TOKEN_COST = 0.05
 
 
 @dataclass(frozen=True)
@@ -63,7 +60,6 @@ def make_proposer(spec: Speculation, target: Engine, num_threads: int, kv_cache_
     config = _C.SpeculativeConfig()
     config.num_draft_tokens = spec.num_draft_tokens
     max_draft_batch = config.max_draft_batch
-    config.draft_token_cost = VERIFY_TOKEN_COST
     if spec.method == "ngram":
         return _C.NgramProposer(*NGRAM_SIZES), config
     if spec.method == "custom":
@@ -73,7 +69,8 @@ def make_proposer(spec: Speculation, target: Engine, num_threads: int, kv_cache_
     check_same_tokenizer(target, draft)
     limits = target.config.limits
     runner = make_cpu_runner(draft, num_threads)
-    # Decoding reads the weights once a step: a draft model's step costs about its weights' share of the target's.
+    # On top of checking a draft token (the config's default cost): decoding reads the weights once a step, so a draft
+    # model's step costs about its weights' share of the target's.
     config.draft_token_cost += (draft.path / WEIGHTS_FILE).stat().st_size / (target.path / WEIGHTS_FILE).stat().st_size
     # The draft keeps K/V for every request that drafts: max_draft_batch full-length sequences, within the
     # target's own budget (the draft's K/V per token is smaller than the target's).
