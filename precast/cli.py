@@ -239,6 +239,7 @@ def _triton_repo(args: argparse.Namespace) -> None:
         args.force,
         args.speculative,
         args.num_draft_tokens,
+        args.backend,
     )
     print(f"wrote {out}/{args.model_name} ({'decoupled' if args.decoupled else 'not decoupled'}); start it with `precast triton {out}`")
 
@@ -274,8 +275,9 @@ def _add_backend(parser: argparse.ArgumentParser) -> None:
         "--backend",
         default="cpu",
         choices=BACKENDS,
-        help="cpu (default); tensorrt: the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: "
-        "that plan's network evaluated in numpy on the CPU (slow, for checking)",
+        help="cpu (default); cuda: precast's Triton kernels on an NVIDIA GPU (the gpu extra; docs/gpu.md); tensorrt: "
+        "the engine's TensorRT plan on an NVIDIA GPU; tensorrt-reference: that plan's network evaluated in numpy on "
+        "the CPU (slow, for checking)",
     )
 
 
@@ -409,6 +411,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-prefix-reuse", action="store_true")
     t.add_argument("--threads", type=int, help="CPU threads per instance")
     _add_speculative(t)
+    _add_backend(t)
     t.add_argument("--force", action="store_true", help="replace --output if it exists")
     t.set_defaults(func=_triton_repo)
 

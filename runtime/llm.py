@@ -39,7 +39,7 @@ _FINISH_REASONS = {
     _C.FinishReason.CANCELLED: "cancelled",
     _C.FinishReason.ERROR: "error",
 }
-BACKENDS = ("cpu", "tensorrt", "tensorrt-reference")  # docs/tensorrt.md for the two TensorRT ones
+BACKENDS = ("cpu", "cuda", "tensorrt", "tensorrt-reference")  # docs/gpu.md for cuda, docs/tensorrt.md for the TensorRT ones
 DEFAULT_KV_FRACTION = 0.25  # of total RAM, when no --kv-cache-memory is given
 
 
@@ -204,22 +204,33 @@ class LLM:
         kv_events: bool = False,
         speculative: str | None = None,
         num_draft_tokens: int | None = None,
+        matmul_precision: str | None = None,
     ) -> None:
         """`chat_template`: Jinja source used instead of the engine's own (for instance one that renders tools).
         `kv_events`: record prefix-cache changes for take_kv_events() (KV-aware routing).
         `speculative`: "ngram" or "draft=ENGINE_DIR" (runtime/speculative.py), with up to `num_draft_tokens`
-        proposed tokens per request and step; a request opts out with SamplingParams(speculative=False)."""
+        proposed tokens per request and step; a request opts out with SamplingParams(speculative=False).
+        `matmul_precision` (backend "cuda"): "weights" (default: bf16 / fp16 tensor cores for dense and int4
+        layers of such engines) or "float32" (the CPU runner's numerics)."""
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
         self.speculation = None if speculative is None else parse_speculative(speculative, num_draft_tokens)
         if speculative is None and num_draft_tokens is not None:
             raise PrecastError("num_draft_tokens needs speculative= (ngram or draft=ENGINE_DIR)")
-        if self.speculation is not None and backend != "cpu":
-            raise PrecastError(f"speculative decoding runs on the cpu backend; the {backend} runner returns no logits per draft token")
+        if self.speculation is not None and backend not in ("cpu", "cuda"):
+            raise PrecastError(
+                f"speculative decoding runs on the cpu and cuda backends; the {backend} runner returns no logits per draft token"
+            )
+        if matmul_precision is not None and backend != "cuda":
+            raise PrecastError("matmul_precision is an option of backend 'cuda'")
         self.num_threads: int | None = None  # CPU threads; None on a GPU backend
         if backend == "cpu":
             self.num_threads = num_threads or default_num_threads()
             self._runner = make_cpu_runner(self.engine, self.num_threads)
+        elif backend == "cuda":  # docs/gpu.md: precast's Triton kernels; imports torch and triton only here
+            from precast.runtime.cuda import make_cuda_runner
+
+            self._runner = make_cuda_runner(self.engine, matmul_precision or "weights")
         elif backend in ("tensorrt", "tensorrt-reference"):  # docs/tensorrt.md: GPU-only / numpy reference
             self._runner = make_tensorrt_runner(self.engine, reference=backend == "tensorrt-reference")
         else:
@@ -261,7 +272,9 @@ class LLM:
         not what happens to be free at start, so the same engine gets the same pool on every start."""
         full = config.max_batch_size * config.max_seq_len
         per_token = self._runner.kv_block_bytes(1)
-        return int(min(full * per_token, total_ram_bytes() * DEFAULT_KV_FRACTION))
+        device_cap = getattr(self._runner, "kv_memory_cap", lambda: None)()  # the cuda runner on a GPU: its memory
+        cap = device_cap if device_cap is not None else total_ram_bytes() * DEFAULT_KV_FRACTION
+        return int(min(full * per_token, cap))
 
     def describe_resources(self) -> str:
         """What this LLM holds, for a server's start line: the KV pool and the threads."""

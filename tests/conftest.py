@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
+import os
 import types
 from pathlib import Path
+
+# The GPU kernels (plugins/triton) and the CUDA runner run on CPU tensors through Triton's interpreter here;
+# it is read when the kernels are defined, so before anything imports them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -5,8 +5,9 @@
     precast.quantization                 recipes, calibration, AWQ, quality
     precast.runtime.replicas             replicas behind Ray Serve; the Dynamo worker
     precast.runtime.{server,triton,bench}   the servers and the load generator
-    precast.runtime                      LLM, backends, tokenizer, the TensorRT network and runner
+    precast.runtime                      LLM, backends (CPU, CUDA), tokenizer, the TensorRT network and runner
     precast.engine                       the engine contract every layer reads
+    precast.plugins                      the GPU kernels (plugins/triton): torch and triton, nothing of precast
     precast, precast.errors, precast.packaged, precast._C
 
 The test reads the source (ast), so an import hidden inside a function counts like any other.
@@ -21,7 +22,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Source folder -> import package (pyproject's [tool.scikit-build.wheel.packages]).
-PACKAGES = {"precast": "precast", "builder": "precast.builder", "quantization": "precast.quantization", "runtime": "precast.runtime"}
+PACKAGES = {
+    "precast": "precast",
+    "builder": "precast.builder",
+    "quantization": "precast.quantization",
+    "runtime": "precast.runtime",
+    "plugins/triton": "precast.plugins.triton",
+}
 # Highest first; a module belongs to the longest prefix that names it.
 LAYERS = [
     ("precast.cli", "precast.__main__"),
@@ -31,6 +38,7 @@ LAYERS = [
     ("precast.runtime.server", "precast.runtime.triton", "precast.runtime.bench"),
     ("precast.runtime",),
     ("precast.engine",),
+    ("precast.plugins",),
     ("precast", "precast.errors", "precast.packaged", "precast.units", "precast._C"),
 ]
 # `import precast` stays light: the root re-exports LLM / SamplingParams lazily (PEP 562 __getattr__).

@@ -10,8 +10,8 @@
 
 Each layer format is one class, found through FORMATS by its name. It owns everything about the
 format: the tensors it stores (layout), how a float32 weight becomes them (quantize), the checks of
-a loaded record (validation), how the CPU runner takes it (load_cpu) and how the TensorRT lowering
-dequantizes it (lower_weight, lower_input). Block and group scales are tensors beside the weights
+a loaded record (validation), how the CPU runner takes it (load_cpu), what the GPU kernels read
+(device_arrays: plugins/triton/linear.py) and how the TensorRT lowering dequantizes it (lower_weight, lower_input). Block and group scales are tensors beside the weights
 (`{layer}.weight_scale`); every per-tensor scale is in the record. A record whose scales are still
 None is a plan (the layout is known before calibration has run); a loaded engine's records are
 complete.
@@ -69,6 +69,11 @@ class LayerQuant:
     def load_cpu(self, runner: Any, layer: str, read: ReadTensor, rows: int, cols: int, quantize_activations: bool) -> None:
         raise NotImplementedError
 
+    def device_arrays(self, layer: str, read: ReadTensor) -> dict[str, Any]:
+        """The stored arrays and scales as the GPU kernels take them (plugins/triton/linear.py's LinearWeight
+        fields: format, values, scales, group_size, weight_scale, input_quant, input_scale), as numpy."""
+        raise NotImplementedError
+
     def lower_weight(self, lowering: Any, layer: str, rows: slice, tag: str) -> Any:
         """W[rows] dequantized in the network's activation dtype (builder/tensorrt lowering)."""
         raise NotImplementedError
@@ -118,6 +123,10 @@ class Fp8Layer(LayerQuant):
         runner.set_quantized_weight(
             f"{layer}.weight", _C.WeightDtype.FP8, rows, cols, values, None, 0, self.weight_scale, act, self.input_scale
         )
+
+    def device_arrays(self, layer: str, read: ReadTensor) -> dict[str, Any]:
+        values = read(f"{layer}.weight").view(np.uint8)
+        return dict(format="fp8", values=values, weight_scale=self.weight_scale, input_quant="fp8", input_scale=self.input_scale)
 
     def lower_weight(self, lowering: Any, layer: str, rows: slice, tag: str) -> Any:
         scale = lowering.const(f"{layer}.weight_scale", np.float32(self.weight_scale), "float32")
@@ -182,6 +191,17 @@ class Nvfp4Layer(LayerQuant):
             self.input_global_scale,
         )
 
+    def device_arrays(self, layer: str, read: ReadTensor) -> dict[str, Any]:
+        return dict(
+            format="nvfp4",
+            values=read(f"{layer}.weight").view(np.uint8),
+            scales=read(f"{layer}.weight_scale").view(np.uint8),  # E4M3 bits
+            group_size=formats.NVFP4_BLOCK,
+            weight_scale=self.weight_global_scale,
+            input_quant="nvfp4",
+            input_scale=self.input_global_scale,
+        )
+
     def lower_weight(self, lowering: Any, layer: str, rows: slice, tag: str) -> Any:
         # Two levels: E4M3 block scales x the global scale, then the E2M1 values x those (the block scales come out
         # in activation dtype: TensorRT's FP4 dequantize takes its output type's scales).
@@ -242,6 +262,10 @@ class Int4Layer(LayerQuant):
         runner.set_quantized_weight(
             f"{layer}.weight", _C.WeightDtype.INT4, rows, cols, values, scales, self.group_size, 1.0, _C.ActQuant.NONE, 1.0
         )
+
+    def device_arrays(self, layer: str, read: ReadTensor) -> dict[str, Any]:
+        scales = read(f"{layer}.weight_scale").astype(np.float32)
+        return dict(format="int4", values=read(f"{layer}.weight").view(np.uint8), scales=scales, group_size=self.group_size)
 
     def lower_weight(self, lowering: Any, layer: str, rows: slice, tag: str) -> Any:
         ops, read = lowering.ops, lowering.engine.weights.read

@@ -45,6 +45,7 @@ class TritonPythonModel:
             num_threads=int(p["num_threads"]) if p.get("num_threads", "").strip() else None,
             speculative=p.get("speculative", "").strip() or None,
             num_draft_tokens=int(p["num_draft_tokens"]) if p.get("num_draft_tokens", "").strip() else None,
+            backend=p.get("backend", "").strip() or "cpu",
         )
         self.by_triton_id: dict[str, int] = {}  # Triton request id -> precast request id, while in flight
         self.stopped: set[str] = set()  # Triton request ids ended by a `stop` request

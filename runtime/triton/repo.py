@@ -8,6 +8,7 @@ from pathlib import Path
 
 from precast.engine.directory import load_engine
 from precast.errors import PrecastError
+from precast.runtime.llm import BACKENDS
 from precast.runtime.speculative import check_same_tokenizer, parse_speculative
 from precast.runtime.triton.translate import COMPAT_INPUTS, sampling_inputs
 
@@ -59,6 +60,7 @@ def config_pbtxt(
     max_batch_size: int,
     speculative: str | None = None,
     num_draft_tokens: int | None = None,
+    backend: str = "cpu",
 ) -> str:
     def io(entries: list[tuple[str, str, str]], optional: bool) -> str:
         opt = " optional: true" if optional else ""
@@ -72,6 +74,7 @@ def config_pbtxt(
         "num_threads": "" if num_threads is None else str(num_threads),
         "speculative": speculative or "",
         "num_draft_tokens": "" if num_draft_tokens is None else str(num_draft_tokens),
+        "backend": backend,
     }
     param_text = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
     return (
@@ -99,6 +102,7 @@ def write_model_repository(
     force: bool = False,
     speculative: str | None = None,
     num_draft_tokens: int | None = None,
+    backend: str = "cpu",
 ) -> Path:
     engine_path = Path(engine)
     loaded = load_engine(engine_path)  # refuse a missing or broken engine now, not when Triton loads it
@@ -111,6 +115,8 @@ def write_model_repository(
         raise PrecastError("--num-draft-tokens needs --speculative")
     if instances < 1:
         raise PrecastError("--instances must be at least 1")
+    if backend not in BACKENDS:
+        raise PrecastError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if not model_name or "/" in model_name:
         raise PrecastError(f"invalid model name {model_name!r}")
     out = Path(output)
@@ -135,6 +141,7 @@ def write_model_repository(
                 loaded.config.limits.max_batch_size,
                 speculative,
                 num_draft_tokens,
+                backend,
             )
         )
         if out.exists():
