@@ -173,8 +173,9 @@ def linear(
     precision: str = "float32",
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """float32 x [M, cols] -> float32 [M, rows]. `compute_dtype`: the engine dtype that precision="weights"
-    rounds int4 products to (dense weights carry their own)."""
+    """float32 x [M, cols] -> float32 [M, rows]. An fp8 layer also takes x already quantized (float8_e4m3fn,
+    from a norm or activation kernel that quantized its output). `compute_dtype`: the engine dtype that
+    precision="weights" rounds int4 products to (dense weights carry their own)."""
     if precision not in ("float32", "weights"):
         raise ValueError(f"precision must be 'float32' or 'weights', got {precision!r}")
     M, K = x.shape
@@ -185,8 +186,11 @@ def linear(
     if M == 0:
         return out
     out_scale = 1.0
+    if x.dtype == torch.float8_e4m3fn and weight.input_quant != "fp8":
+        raise ValueError("an fp8-quantized input for a layer that does not take fp8 inputs")
     if weight.input_quant == "fp8":
-        x = quantize_fp8_input(x, weight.input_scale)
+        if x.dtype != torch.float8_e4m3fn:
+            x = quantize_fp8_input(x, weight.input_scale)
         out_scale = weight.input_scale * weight.weight_scale
     elif weight.input_quant == "nvfp4":
         x = quantize_nvfp4_input(x, weight.input_scale)

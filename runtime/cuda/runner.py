@@ -194,11 +194,10 @@ class CudaRunner(_C.ModelRunner):
         torch, spec, w = self.torch, self.spec, self.weights
         x = k.embedding_gather(step.token_ids, w.linear("embed"), self.engine.config.embedding_scale)
         T, eps = x.shape[0], spec.norm_eps
-        h = torch.empty_like(x)
         tmp = None  # the previous block's output, added to x by the next norm
         for i in range(spec.num_layers):
             p = f"layers.{i}."
-            k.rms_norm(x, w.vector(p + "attn_norm.weight"), eps, out=h, residual=tmp)
+            h = k.rms_norm(x, w.vector(p + "attn_norm.weight"), eps, residual=tmp, fp8_scale=self.fp8_input(p + "attn.qkv"))
             qkv = self.linear(h, p + "attn.qkv", bias=w.vectors.get(p + "attn.qkv.bias"))
             sliding = i in spec.sliding_window_layers and bool(spec.sliding_window)
             cos, sin = self.rope[sliding and has_local_rope(spec)]
@@ -217,11 +216,12 @@ class CudaRunner(_C.ModelRunner):
             tmp = self.linear(attn, p + "attn.o")
             if spec.sandwich_norms:
                 k.rms_norm(tmp, w.vector(p + "post_attn_norm.weight"), eps, out=tmp)
-            k.rms_norm(x, w.vector(p + "mlp_norm.weight"), eps, out=h, residual=tmp)
             if spec.is_moe_layer(i):
-                tmp = self.mixture(h, p)
+                tmp = self.mixture(k.rms_norm(x, w.vector(p + "mlp_norm.weight"), eps, residual=tmp), p)
             else:
-                tmp = self.linear(k.gated_activation(self.linear(h, p + "mlp.gate_up"), spec.activation), p + "mlp.down")
+                h = k.rms_norm(x, w.vector(p + "mlp_norm.weight"), eps, residual=tmp, fp8_scale=self.fp8_input(p + "mlp.gate_up"))
+                act = k.gated_activation(self.linear(h, p + "mlp.gate_up"), spec.activation, fp8_scale=self.fp8_input(p + "mlp.down"))
+                tmp = self.linear(act, p + "mlp.down")
             if spec.sandwich_norms:
                 k.rms_norm(tmp, w.vector(p + "post_mlp_norm.weight"), eps, out=tmp)
         x += tmp
@@ -231,6 +231,11 @@ class CudaRunner(_C.ModelRunner):
             cap = spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def fp8_input(self, layer: str) -> float | None:
+        """The input scale of a layer that takes fp8 inputs: the kernel before it quantizes its output."""
+        weight = self.weights.linear(layer)
+        return weight.input_scale if weight.input_quant == "fp8" else None
 
     def linear(self, x: Any, layer: str, bias: Any = None) -> Any:
         from precast.plugins.triton import linear

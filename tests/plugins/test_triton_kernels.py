@@ -289,3 +289,19 @@ def test_attention_refuses_a_block_size_the_kernel_cannot_tile():
     cache = torch.zeros(2, 1, 12, 16, device=DEVICE)
     with pytest.raises(ValueError, match="power of two"):
         paged_attention(torch.zeros(1, 48, device=DEVICE), cache, cache, batch, 1, 0.25, torch.zeros(1, 16, device=DEVICE))
+
+
+def test_norm_and_activation_quantize_their_outputs_for_fp8_layers_exactly():
+    """Fused: the E4M3 values the separate quantizer would make from the float32 output."""
+    x = RNG.standard_normal((6, 80)).astype(np.float32)
+    w = RNG.standard_normal(80).astype(np.float32)
+    fused = rms_norm(t(x), t(w), 1e-5, fp8_scale=0.01)
+    assert fused.dtype == torch.float8_e4m3fn
+    np.testing.assert_array_equal(fused.float().cpu().numpy(), quantize_fp8_input(rms_norm(t(x), t(w), 1e-5), 0.01).float().cpu().numpy())
+    gu = (RNG.standard_normal((3, 2 * 40)) * 3).astype(np.float32)
+    fused = gated_activation(t(gu), "silu", fp8_scale=0.02)
+    separate = quantize_fp8_input(gated_activation(t(gu), "silu"), 0.02)
+    np.testing.assert_array_equal(fused.float().cpu().numpy(), separate.float().cpu().numpy())
+    weight, _, _ = _weights("fp8", 32, 40)
+    weight.input_scale = 0.02
+    np.testing.assert_array_equal(linear(fused, weight).cpu().numpy(), linear(gated_activation(t(gu), "silu"), weight).cpu().numpy())
