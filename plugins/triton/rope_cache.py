@@ -7,7 +7,8 @@ The k section is not written back: attention reads K from the pool.
 RoPE pairs element j with j + head_dim / 2 (j < head_dim / 2); cos and sin come from tables
 [positions, head_dim / 2] the host makes from the engine's RoPE parameters (every scaling kind precast knows
 reduces to inverse frequencies and an attention factor), 1 and 0 past the rotary pairs (partial rotary).
-Pools are [num_blocks, num_kv_heads, tokens_per_block, head_dim], float32 or E4M3 (value / per-layer scale).
+Pools are [num_blocks, num_kv_heads, tokens_per_block, head_dim]: float32, bfloat16 or float16 (values rounded
+to nearest even), or E4M3 (value / per-layer scale).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from precast.plugins.triton.numerics import round_to_e4m3
+from precast.plugins.triton.numerics import round_to_bf16, round_to_e4m3
+
+POOL_KINDS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 @triton.jit
@@ -24,7 +27,7 @@ def _rope_rows_kernel(
     qkv_ptr, qkv_stride, col0, num_rows, pos_ptr, block_ptr, offset_ptr, cos_ptr, sin_ptr, norm_ptr, cache_ptr, scale, eps,
     HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, B: tl.constexpr,
     BR: tl.constexpr, ROTATE: tl.constexpr, QK_NORM: tl.constexpr, WRITE_BACK: tl.constexpr, TO_CACHE: tl.constexpr,
-    FP8: tl.constexpr,
+    POOL: tl.constexpr,
 ):  # fmt: skip
     """BR rows of (token, head) pairs of one section of qkv (q, k or v, starting at column col0)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -54,9 +57,15 @@ def _rope_rows_kernel(
         block = tl.load(block_ptr + token, mask=row_mask, other=0).to(tl.int64)
         offset = tl.load(offset_ptr + token, mask=row_mask, other=0)
         slot = cache_ptr + ((block * KVH + head)[:, None] * B + offset[:, None]) * D + j[None, :]
-        if FP8:
+        if POOL == 1:
             tl.store(slot, round_to_e4m3(x1 / scale).to(tl.float8e4nv), mask=mask)
             tl.store(slot + HALF, round_to_e4m3(x2 / scale).to(tl.float8e4nv), mask=mask)
+        elif POOL == 2:  # rounded first: the interpreter's own conversion does not round to nearest even
+            tl.store(slot, round_to_bf16(x1).to(tl.bfloat16), mask=mask)
+            tl.store(slot + HALF, round_to_bf16(x2).to(tl.bfloat16), mask=mask)
+        elif POOL == 3:
+            tl.store(slot, x1.to(tl.float16), mask=mask)
+            tl.store(slot + HALF, x2.to(tl.float16), mask=mask)
         else:
             tl.store(slot, x1, mask=mask)
             tl.store(slot + HALF, x2, mask=mask)
@@ -105,5 +114,5 @@ def rope_and_cache(
             norm if norm is not None else dummy, cache if cache is not None else dummy, scale, eps,
             HEADS=heads, KVH=num_kv_heads, D=head_dim, HALF=half, BH=triton.next_power_of_2(half), B=tokens_per_block,
             BR=ROWS_PER_PROGRAM, ROTATE=rotate, QK_NORM=norm is not None, WRITE_BACK=write_back, TO_CACHE=cache is not None,
-            FP8=k_cache.dtype == torch.float8_e4m3fn,
+            POOL=POOL_KINDS[k_cache.dtype],
         )  # fmt: skip

@@ -2,7 +2,8 @@
 Triton kernels (plugins/triton), with the same engine directory, executor, scheduler and KV manager as the CPU.
 
 Weights are uploaded once (weights.py). The KV pools live in device memory: per layer one K and one V array
-[num_blocks, num_kv_heads, tokens_per_block, head_dim], float32 or E4M3 (`--kv-cache-dtype fp8`). A step
+[num_blocks, num_kv_heads, tokens_per_block, head_dim] of E4M3 (`--kv-cache-dtype fp8`), of the engine's
+bf16 / fp16 (precision "weights"), or float32. A step
 is `prepare` (the batch's metadata as device tensors: one host-to-device copy per step) then `compute` (every
 kernel, no host synchronisation except a mixture of experts' routing), then the logits rows go to the host,
 where the executor's sampler takes them (the documented split: sampling stays on the CPU).
@@ -84,6 +85,14 @@ class CudaRunner(_C.ModelRunner):
         self.compute_dtype = torch_dtype(engine.config.dtype)
         self.weights = weights if weights is not None else upload(engine, device)
         self.kv_fp8 = engine.config.quant.kv_cache is not None
+        # The pools' element: E4M3 when built so; the engine's 16-bit dtype with precision "weights"; else float32
+        # (the CPU runner's pools, for precision "float32" and float32 engines).
+        if self.kv_fp8:
+            self.kv_dtype = torch.float8_e4m3fn
+        elif precision == "weights" and self.compute_dtype in (torch.bfloat16, torch.float16):
+            self.kv_dtype = self.compute_dtype
+        else:
+            self.kv_dtype = torch.float32
         self.k_scales = list(engine.config.quant.kv_cache.k_scales) if self.kv_fp8 else [1.0] * spec.num_layers
         self.v_scales = list(engine.config.quant.kv_cache.v_scales) if self.kv_fp8 else [1.0] * spec.num_layers
         self.max_positions = engine.config.limits.max_seq_len
@@ -107,7 +116,7 @@ class CudaRunner(_C.ModelRunner):
 
     def kv_block_bytes(self, tokens_per_block: int) -> int:
         s = self.spec
-        return s.num_layers * 2 * s.num_kv_heads * tokens_per_block * s.head_dim * (1 if self.kv_fp8 else 4)
+        return s.num_layers * 2 * s.num_kv_heads * tokens_per_block * s.head_dim * self.kv_dtype.itemsize
 
     def kv_memory_cap(self) -> int | None:
         """The default KV pool's ceiling on a GPU: 90% of the device memory free once the weights are in (the
@@ -123,8 +132,7 @@ class CudaRunner(_C.ModelRunner):
                 f"the CUDA runner's attention kernel needs tokens_per_block a power of two >= 16; this engine has "
                 f"{tokens_per_block}: rebuild it with --tokens-per-block 32"
             )
-        torch, s = self.torch, self.spec
-        dtype = torch.float8_e4m3fn if self.kv_fp8 else torch.float32
+        torch, s, dtype = self.torch, self.spec, self.kv_dtype
         # One block more than the executor hands out: the padded rows of a graph's batch write there.
         shape = (num_blocks + 1, s.num_kv_heads, tokens_per_block, s.head_dim)
         self.k_pools = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(s.num_layers)]

@@ -171,9 +171,16 @@ def _rope_tables(positions: int, head_dim: int, rotary_pairs: int):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,qk_norm,fp8", [(4, 2, 16, False, False), (6, 2, 48, True, False), (4, 4, 32, False, True)]
+    "heads,kv_heads,head_dim,qk_norm,pool",
+    [
+        (4, 2, 16, False, "float32"),
+        (6, 2, 48, True, "float32"),
+        (4, 4, 32, False, "fp8"),
+        (4, 2, 32, True, "bfloat16"),
+        (4, 2, 16, False, "float16"),
+    ],
 )
-def test_rope_and_cache(heads, kv_heads, head_dim, qk_norm, fp8):
+def test_rope_and_cache(heads, kv_heads, head_dim, qk_norm, pool):
     T, B, blocks = 9, 16, 6
     half = head_dim // 2
     rotary_pairs = half if head_dim != 48 else 12  # partial rotary: pairs past it pass through
@@ -184,7 +191,8 @@ def test_rope_and_cache(heads, kv_heads, head_dim, qk_norm, fp8):
     cos, sin = _rope_tables(256, head_dim, rotary_pairs)
     qn = RNG.standard_normal(head_dim).astype(np.float32) if qk_norm else None
     kn = RNG.standard_normal(head_dim).astype(np.float32) if qk_norm else None
-    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    fp8 = pool == "fp8"
+    dtype = {"float32": torch.float32, "fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16, "float16": torch.float16}[pool]
     k_cache = torch.full((blocks, kv_heads, B, head_dim), float("nan"), device=DEVICE).to(dtype)
     v_cache = torch.full((blocks, kv_heads, B, head_dim), float("nan"), device=DEVICE).to(dtype)
     got = t(qkv.copy())
@@ -209,6 +217,9 @@ def test_rope_and_cache(heads, kv_heads, head_dim, qk_norm, fp8):
         if fp8:
             np.testing.assert_array_equal(stored_k, _C.round_to_e4m3((k / 0.5).astype(np.float32)).reshape(k.shape))
             np.testing.assert_array_equal(stored_v, _C.round_to_e4m3((v / 0.25).astype(np.float32)).reshape(v.shape))
+        elif pool != "float32":  # rounded to nearest even, as torch rounds
+            np.testing.assert_allclose(stored_k, k, rtol=2**-8, atol=1e-6)
+            np.testing.assert_array_equal(stored_v, t(v).to(dtype).float().cpu().numpy())
         else:
             np.testing.assert_allclose(stored_k, k, rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(stored_v, v)
@@ -242,6 +253,7 @@ def _reference_attention(q, k_pos, v_pos, ctx, n, heads, group, scale, window, s
         (7, 1, 24, 20, 0.0, False),
         (4, 2, 16, 0, 30.0, True),
         (6, 3, 64, 33, 50.0, False),
+        (8, 2, 32, 0, 0.0, "bfloat16"),
     ],
 )
 def test_paged_attention_prefill_chunks_and_decode(heads, kv_heads, head_dim, window, softcap, fp8):
@@ -251,8 +263,9 @@ def test_paged_attention_prefill_chunks_and_decode(heads, kv_heads, head_dim, wi
     group = heads // kv_heads
     seqs = [(37, 21), (0, 45), (70, 1)]  # (context_len, num_tokens): lengths not multiples of the block
     perm = iter(RNG.permutation(num_blocks).tolist())
+    bf16, fp8 = fp8 == "bfloat16", fp8 is True  # the last case: a bf16 pool
     k_scale, v_scale = (0.05, 0.04) if fp8 else (1.0, 1.0)
-    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16 if bf16 else torch.float32
     k_cache = torch.full((num_blocks, kv_heads, B, head_dim), float("nan"), device=DEVICE).to(dtype)
     v_cache = torch.full((num_blocks, kv_heads, B, head_dim), float("nan"), device=DEVICE).to(dtype)
     tables, k_all, v_all = [], [], []
@@ -265,6 +278,8 @@ def test_paged_attention_prefill_chunks_and_decode(heads, kv_heads, head_dim, wi
         if fp8:  # the pool holds E4M3 values of k / scale; the reference uses what was stored
             k = (k / k_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.float32(k_scale)
             v = (v / v_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.float32(v_scale)
+        if bf16:
+            k, v = (a.astype(ml_dtypes.bfloat16).astype(np.float32) for a in (k, v))
         for p in range(total):
             k_cache[table[p // B], :, p % B] = t(k[p] / np.float32(k_scale)).to(dtype)
             v_cache[table[p // B], :, p % B] = t(v[p] / np.float32(v_scale)).to(dtype)
