@@ -50,7 +50,8 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, al
     Fails when a needed tensor is missing, has the wrong shape, or when the checkpoint has a
     tensor nothing uses (a sign that the checkpoint is not the model the config describes).
     """
-    available = set(checkpoint.tensor_names())
+    file_names = {arch.decoder_name(n): n for n in checkpoint.tensor_names()}  # the table's name -> the file's
+    available = set(file_names)
     plan: list[PlannedTensor] = []
     used: set[str] = set()
     problems: list[str] = []
@@ -65,16 +66,18 @@ def plan_weights(spec: ModelSpec, arch: Architecture, checkpoint: Checkpoint, al
         for source, want in zip(sources, parts):
             if source not in available:
                 problems.append(f"missing tensor {source} (needed for {name})")
-            elif checkpoint.tensor_shape(source) != want:
-                got = list(checkpoint.tensor_shape(source))
+            elif checkpoint.tensor_shape(file_names[source]) != want:
+                got = list(checkpoint.tensor_shape(file_names[source]))
                 problems.append(f"tensor {source} has shape {got}, the config implies {list(want)}")
         used.update(sources)
         offset = arch.norm_weight_offset if template.endswith("norm.weight") else 0.0
-        plan.append(PlannedTensor(name, sources, full_shape(parts), _rotary_rows(spec, template), offset))
+        read_as = tuple(file_names.get(s, s) for s in sources)
+        plan.append(PlannedTensor(name, read_as, full_shape(parts), _rotary_rows(spec, template), offset))
     ignored = {s.format(i=i) for s in IGNORED_ALWAYS for i in range(spec.num_layers)}
     if spec.tie_word_embeddings:
         ignored.update(IGNORED_WHEN_TIED)
-    unused = sorted(available - used - ignored - also_used)  # also_used: e.g. a pre-quantized checkpoint's scales
+    # also_used: e.g. a pre-quantized checkpoint's scales; ignored_prefixes: parts of a wrapping model (vision tower)
+    unused = sorted(n for n in available - used - ignored - also_used if not n.startswith(arch.ignored_prefixes))
     if unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         problems.append(f"{len(unused)} checkpoint tensor(s) that a {spec.architecture} model with this config does not use: {shown}")

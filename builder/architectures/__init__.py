@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         phi3.ARCHITECTURE,
         gemma.GEMMA2,
         gemma.GEMMA3,
+        gemma.GEMMA3_IMAGE_TEXT,
         moe.MIXTRAL,
         moe.QWEN2_MOE,
         moe.QWEN3_MOE,

@@ -56,6 +56,17 @@ class Architecture:
     # Added to every RMSNorm weight when built (Gemma stores w for a norm that multiplies by 1 + w), so every
     # backend runs one kind of norm: x / rms(x) * weight.
     norm_weight_offset: float = 0.0
+    # Checkpoints that wrap the decoder in a larger model (Gemma 3's image-text ones): file-name prefixes read as
+    # the decoder's own names (first match wins), and prefixes of tensors the decoder never uses (a vision tower).
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
+    ignored_prefixes: tuple[str, ...] = ()
+
+    def decoder_name(self, file_name: str) -> str:
+        """A checkpoint tensor's name as the weight-name table spells it."""
+        for prefix, decoder in self.renamed_prefixes:
+            if file_name.startswith(prefix):
+                return decoder + file_name[len(prefix) :]
+        return file_name
 
 
 def require(config: dict[str, Any], key: str, arch: str) -> Any:

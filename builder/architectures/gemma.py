@@ -6,6 +6,10 @@ normed again before its residual add (sandwich norms: input / post_attention / p
 scores are scaled by query_pre_attn_scalar^-0.5. Gemma 2 soft-caps attention scores and final logits and alternates
 sliding-window and global layers; Gemma 3 instead has qk-norm, five sliding layers per global one and a separate
 RoPE base for the sliding layers (rope_local_base_freq, unscaled), the global layers' RoPE possibly scaled.
+
+Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration: 4B and up) hold the same decoder under
+`language_model` beside a vision tower and projector; precast builds the decoder (text in, text out) and leaves
+the vision half out.
 """
 
 from __future__ import annotations
@@ -104,5 +108,44 @@ def gemma3_spec(config: dict[str, Any]) -> ModelSpec:
     )
 
 
+# Gemma3TextConfig's defaults (transformers), for the keys an image-text checkpoint's text_config leaves out: the
+# hub's configs list only what differs from them (the 4B: hidden, intermediate, layers, RoPE scaling, window).
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}
+
+
+def gemma3_image_text_spec(config: dict[str, Any]) -> ModelSpec:
+    """Gemma3ForConditionalGeneration: the decoder its text_config describes (Gemma 3's), tied like the whole model."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise PrecastError("Gemma3ForConditionalGeneration config.json lacks text_config; the checkpoint's config is incomplete")
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))  # the whole model's setting rules
+    return gemma3_spec(GEMMA3_TEXT_DEFAULTS | text | {"tie_word_embeddings": tied})
+
+
 GEMMA2 = Architecture("gemma2", ("Gemma2ForCausalLM",), gemma2_spec, GEMMA_WEIGHT_NAMES, norm_weight_offset=1.0)
 GEMMA3 = Architecture("gemma3", ("Gemma3ForCausalLM",), gemma3_spec, GEMMA_WEIGHT_NAMES, norm_weight_offset=1.0)
+GEMMA3_IMAGE_TEXT = Architecture(
+    "gemma3_image_text",
+    ("Gemma3ForConditionalGeneration",),
+    gemma3_image_text_spec,
+    GEMMA_WEIGHT_NAMES,
+    norm_weight_offset=1.0,
+    # transformers >= 5 saves model.language_model.*; the hub's files (transformers 4.5x) language_model.model.*
+    renamed_prefixes=(("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+    ignored_prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
+)

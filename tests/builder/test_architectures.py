@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from precast.builder.architectures import find_architecture
+from precast.builder.architectures import find_architecture, supported_names
 from precast.builder.build import BuildOptions, build_engine
 from precast.engine.directory import load_engine, numpy_dtype
 from precast.engine.rope import rope_parameters, rotary_row_order
@@ -229,3 +229,12 @@ def test_inspect_shows_the_mixture_and_gemma_blocks(tiny_engines):
     assert "gated gelu_tanh; sandwich norms, embeddings x 8" in text and "scores soft-capped at 4, logits soft-capped at 10" in text
     text = format_summary(engine_summary(load_engine(tiny_engines["gemma3"])))
     assert "sliding layers theta 10000" in text
+
+
+def test_gemma3_image_text_config_without_text_config_is_refused():
+    from precast.errors import PrecastError
+
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}
+    with pytest.raises(PrecastError, match="lacks text_config"):
+        find_architecture(config).to_spec(config)
+    assert "Gemma3ForConditionalGeneration" in supported_names()

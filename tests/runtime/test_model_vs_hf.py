@@ -211,3 +211,64 @@ def test_mixture_of_experts_is_batch_invariant(name, tiny_engines):
         pieces = chunked.generate([prompt, *others], params)[0]
     assert alone.token_ids == batched.token_ids == pieces.token_ids
     assert alone.top_logprobs == batched.top_logprobs == pieces.top_logprobs
+
+
+def test_gemma3_image_text_checkpoint_builds_its_text_decoder(tmp_path):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and up): the decoder under language_model is built, the vision
+    tower and projector left out, and text generation matches transformers' image-text model given text only, from
+    the hub's file layout and from the in-memory one with a sparse text_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from precast.builder.build import BuildOptions, build_engine
+
+    text = dict(TINY_CONFIGS["gemma3"][1], tie_word_embeddings=True)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=127, boi_token_index=125, eoi_token_index=126
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    ckpt = tmp_path / "gemma3-it"
+    model.save_pretrained(ckpt)  # the hub's layout: language_model.model.*, vision_tower.*, multi_modal_projector.*
+    assert any(k.startswith("language_model.model.") for k in load_file(ckpt / "model.safetensors"))
+
+    # The layout of transformers' in-memory model (model.language_model.*, ...), as some exports write it, with a
+    # text_config that lists only what differs from Gemma3TextConfig's defaults, as the hub's configs do.
+    other = tmp_path / "gemma3-other"
+    other.mkdir()
+    renames = (
+        ("language_model.model.", "model.language_model."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
+    tensors = {}
+    for name, value in load_file(ckpt / "model.safetensors").items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        tensors[name] = value
+    save_file(tensors, other / "model.safetensors")
+    saved = json.loads((ckpt / "config.json").read_text())
+    defaults = {"rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "final_logit_softcapping": None}
+    sparse = {k: v for k, v in saved["text_config"].items() if k not in defaults or v != defaults[k]}
+    assert len(sparse) < len(saved["text_config"])
+    (other / "config.json").write_text(json.dumps(dict(saved, text_config=sparse)))
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 120, n).tolist() for n in (3, 19, 30)]
+    for source in (ckpt, other):
+        engine = tmp_path / f"engine-{source.name}"
+        build_engine(BuildOptions(source, engine, max_seq_len=256, progress=False))
+        with LLM(engine, kv_cache_memory=64 << 20) as llm:
+            assert llm.engine.config.model.architecture == "gemma3"
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=20))
+        for prompt, ours in zip(prompts, outs):
+            want, first = hf_greedy(model, prompt, 12)
+            assert ours.token_ids == want, (source.name, len(prompt))
+            check_first_step_logprobs(ours, first)
