@@ -4,7 +4,8 @@ Three translations make a GGUF look like the HF checkpoint it came from:
 - metadata keys (`llama.block_count`, ...) become an HF config dict;
 - tensor names (`blk.3.attn_q.weight`) become HF names, through a table with a strict
   leftover check (the layout is read by gguf_layout.py), and each tensor is dequantized on request (the `gguf` package's numpy
-  kernels: Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16, F32 and more);
+  kernels: Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16, F32 and more); a mixture of experts' stacked expert tensors
+  (`blk.3.ffn_gate_exps.weight`, [experts, rows, cols]) become one HF tensor per expert, each read on its own;
 - llama.cpp's converter reorders the rows of Q and K for the `llama` architecture (it
   interleaves the two halves of each head for its rotary kernel); that is undone here. For Gemma it
   stores RMSNorm weights as 1 + w (its norm multiplies by them directly); 1 is taken off again.
@@ -33,7 +34,13 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# llama.cpp exports Mixtral as `llama` with experts (llama.expert_count > 0).
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")
+# Whether llama.cpp renormalises the chosen experts' probabilities, per family (files may say, expert_weights_norm).
+_RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _GEMMA = {"gemma2", "gemma3"}
 
 # Architectures whose GGUF conversion permuted the rows of Q and K (llama.cpp's `llama` rotary layout).
@@ -54,6 +61,10 @@ _CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "final_logit_softcapping": "final_logit_softcapping",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 
 # GGUF tensor name -> HF tensor name. `{i}` is the layer index.
@@ -85,17 +96,52 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Mixtures of experts: the router, llama.cpp's stacked experts ([experts, rows, cols], one HF tensor per expert:
+# `{e}`), and Qwen2-MoE's shared expert with its gate (a vector in GGUF, [1, hidden] in HF).
+_QWEN_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_MIXTRAL_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
+def _layer_names(arch: str, experts: bool) -> dict[str, str]:
+    if arch in _GEMMA:
+        return _GEMMA_LAYER_NAMES
+    if arch in ("qwen2moe", "qwen3moe"):
+        return _QWEN_MOE_LAYER_NAMES
+    return _MIXTRAL_LAYER_NAMES if experts else _LAYER_NAMES
+
+
+def _hf_name(gguf_name: str, names: dict[str, str]) -> str | None:
+    """The HF name of a GGUF tensor (with `{e}` left in for a stack of experts), or None when it has none."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
+
+
+def _expert_slice(t: GGUFTensor, expert: int) -> GGUFTensor:
+    """Expert `expert` of a stacked [experts, rows, cols] tensor: its rows of the raw data (quantized blocks run
+    along a row, so an expert's rows are whole blocks)."""
+    rows = t.data.shape[0] // t.shape[-1]
+    return GGUFTensor(t.name, t.shape[:-1], t.tensor_type, t.data[expert * rows : (expert + 1) * rows])
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -123,10 +169,22 @@ class GGUFCheckpoint(Checkpoint):
         rope_freqs = next((t for t in layout.tensors if t.name == "rope_freqs.weight"), None)
         tensors = [t for t in layout.tensors if t.name != "rope_freqs.weight"]  # RoPE divisors, not a weight
         gguf_names = [t.name for t in tensors]
-        unknown = [n for n in gguf_names if _hf_name(n, arch) is None]
+        names = _layer_names(arch, bool(self.metadata.get(f"{arch}.expert_count")))
+        unknown = [n for n in gguf_names if _hf_name(n, names) is None]
         if unknown:
             raise PrecastError(f"{path}: tensors precast does not know how to map: {', '.join(unknown[:10])}")
-        self._tensors = {_hf_name(t.name, arch): t for t in tensors}
+        self._tensors: dict[str, GGUFTensor] = {}
+        for t in tensors:
+            name = _hf_name(t.name, names)
+            if "{e}" not in name:
+                self._tensors[name] = t
+                continue
+            if len(t.shape) != 3:
+                raise PrecastError(
+                    f"{path}: {t.name} should stack the experts' matrices [experts, rows, cols], its shape is {list(reversed(t.shape))}"
+                )
+            for e in range(int(t.shape[-1])):  # a view per expert: read() dequantizes only that expert's blocks
+                self._tensors[name.format(e=e)] = _expert_slice(t, e)
         self.config = self._hf_config(set(gguf_names), tensors)
         if rope_freqs is not None:
             self.config["rope_scaling"] = self._llama3_scaling(rope_freqs)
@@ -156,11 +214,14 @@ class GGUFCheckpoint(Checkpoint):
 
     def _hf_config(self, gguf_names: set[str], tensors: list[GGUFTensor]) -> dict[str, Any]:
         arch = self.gguf_architecture
-        model_type, class_name = GGUF_ARCHITECTURES[arch]
+        experts = bool(self.metadata.get(f"{arch}.expert_count"))
+        model_type, class_name = _MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
         config: dict[str, Any] = {"model_type": model_type, "architectures": [class_name], "hidden_act": "silu"}
         for key, hf_key in _CONFIG_KEYS.items():
             if f"{arch}.{key}" in self.metadata:
                 config[hf_key] = self.metadata[f"{arch}.{key}"]
+        if experts:
+            config.update(self._moe_config(gguf_names, int(config["num_hidden_layers"])))
         for required in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if required not in config:
                 raise PrecastError(f"{self.path}: GGUF metadata lacks {arch}.{required}; the file is incomplete")
@@ -187,6 +248,28 @@ class GGUFCheckpoint(Checkpoint):
         config["eos_token_id"] = self.metadata.get("tokenizer.ggml.eos_token_id")
         return config
 
+    def _moe_config(self, gguf_names: set[str], num_layers: int) -> dict[str, Any]:
+        """Routing as llama.cpp runs the family (softmax over the experts, top-k, renormalised for Mixtral and
+        Qwen3-MoE unless the file says otherwise), and which layers are dense: those without a router. Other routing
+        rules (sigmoid gating, expert groups, scaled weights) are refused, not approximated."""
+        arch, meta = self.gguf_architecture, self.metadata
+        gating = meta.get(f"{arch}.expert_gating_func")
+        if gating not in (None, 1):  # llama.cpp's enum: 1 softmax, 2 sigmoid
+            raise PrecastError(
+                f"{self.path}: expert gating function {gating} (not softmax) is not supported; precast routes by softmax top-k"
+            )
+        if (meta.get(f"{arch}.expert_group_count") or 1) > 1 or (meta.get(f"{arch}.expert_weights_scale") or 1.0) != 1.0:
+            raise PrecastError(f"{self.path}: grouped or scaled expert routing is not supported; precast routes by softmax top-k")
+        renormalize = bool(meta.get(f"{arch}.expert_weights_norm", _RENORMALIZE.get(arch, False)))
+        if arch == "llama" and not renormalize:
+            raise PrecastError(
+                f"{self.path}: a Mixtral-style GGUF whose experts' weights are not renormalised; precast builds Mixtral's routing only"
+            )
+        dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf_names]
+        if dense and arch == "llama":
+            raise PrecastError(f"{self.path}: layers {dense} have no experts; a Mixtral-style model routes every layer")
+        return {"norm_topk_prob": renormalize, "mlp_only_layers": dense}
+
     def _gemma_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """What llama.cpp's Gemma exports leave out, as llama.cpp itself runs them: GELU-tanh; queries scaled by
         head_dim^-0.5, except the 27B models (46 layers for Gemma 2, 62 for Gemma 3), scaled by (hidden / heads)^-0.5;
@@ -211,7 +294,8 @@ class GGUFCheckpoint(Checkpoint):
         return list(self._tensors)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims fastest first
+        shape = tuple(int(d) for d in reversed(self._tensors[name].shape))  # GGUF lists dims fastest first
+        return (1, *shape) if name.endswith("shared_expert_gate.weight") else shape  # a vector in GGUF
 
     def tensor_dtype(self, name: str) -> str:
         return self._tensors[name].tensor_type.name

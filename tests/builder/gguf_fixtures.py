@@ -174,3 +174,88 @@ def write_tiny_gemma_gguf(path: Path, arch: str, vocabulary: tuple[list[str], li
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_moe_gguf_from_hf(hf_dir: Path, path: Path, expert_type: str = "F32") -> None:
+    """A tiny HF mixture-of-experts checkpoint (Mixtral, Qwen2-MoE, Qwen3-MoE) rewritten in llama.cpp's GGUF layout:
+    Mixtral as `llama` with experts and Q/K rows permuted, the Qwens as qwen2moe / qwen3moe; each layer's experts
+    stacked into ffn_{gate,up,down}_exps [experts, rows, cols] (stored as `expert_type`), the router as ffn_gate_inp,
+    Qwen2-MoE's shared expert as ffn_*_shexp with its gate a vector; no tokenizer."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf = load_file(hf_dir / "model.safetensors")
+    model_type = config["model_type"]
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[model_type]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    experts = config.get("num_local_experts") or config["num_experts"]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(config["vocab_size"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    if model_type != "mixtral":
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if model_type == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+    def permute(rows: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's Q/K row order for the `llama` architecture
+        return rows.reshape(n, 2, rows.shape[0] // n // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+    out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"]}
+    if "lm_head.weight" in hf:
+        out["output.weight"] = hf["lm_head.weight"]
+    block, (gate, up, down) = (
+        ("block_sparse_moe", ("w1", "w3", "w2")) if model_type == "mixtral" else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
+    for i in range(config["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        a = p + "self_attn."
+        out[b + "attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[b + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        for kind, n in (("q", heads), ("k", kv_heads)):
+            rows = hf[f"{a}{kind}_proj.weight"]
+            out[f"{b}attn_{kind}.weight"] = permute(rows, n) if arch == "llama" else rows
+            if f"{a}{kind}_proj.bias" in hf:
+                out[f"{b}attn_{kind}.bias"] = hf[f"{a}{kind}_proj.bias"]
+            if f"{a}{kind}_norm.weight" in hf:
+                out[f"{b}attn_{kind}_norm.weight"] = hf[f"{a}{kind}_norm.weight"]
+        out[b + "attn_v.weight"] = hf[a + "v_proj.weight"]
+        if a + "v_proj.bias" in hf:
+            out[b + "attn_v.bias"] = hf[a + "v_proj.bias"]
+        out[b + "attn_output.weight"] = hf[a + "o_proj.weight"]
+        if f"{p}{block}.gate.weight" not in hf:  # a dense layer (Qwen's mlp_only_layers / decoder_sparse_step)
+            for kind in ("gate", "up", "down"):
+                out[f"{b}ffn_{kind}.weight"] = hf[f"{p}mlp.{kind}_proj.weight"]
+            continue
+        out[b + "ffn_gate_inp.weight"] = hf[f"{p}{block}.gate.weight"]
+        for gguf_name, hf_name in (("gate", gate), ("up", up), ("down", down)):
+            out[f"{b}ffn_{gguf_name}_exps.weight"] = np.stack([hf[f"{p}{block}.experts.{e}.{hf_name}.weight"] for e in range(experts)])
+        if model_type == "qwen2_moe":
+            for kind in ("gate", "up", "down"):
+                out[f"{b}ffn_{kind}_shexp.weight"] = hf[f"{p}mlp.shared_expert.{kind}_proj.weight"]
+            out[b + "ffn_gate_inp_shexp.weight"] = hf[p + "mlp.shared_expert_gate.weight"].reshape(-1)
+    rng = np.random.default_rng(0)
+    for name, array in out.items():
+        if "_exps" in name and expert_type != "F32":
+            qtype = gguf.GGMLQuantizationType[expert_type]
+            raw = random_quantized(expert_type, array.shape[0] * array.shape[1], array.shape[2], rng)
+            w.add_tensor(name, raw.reshape(array.shape[0], array.shape[1], -1), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

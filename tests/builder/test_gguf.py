@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from precast.builder.build import BuildOptions, build_engine
 from precast.builder.checkpoint import open_checkpoint
 from precast.engine.directory import load_engine
-from tests.builder.gguf_fixtures import write_tiny_gemma_gguf, write_tiny_llama_gguf
+from tests.builder.gguf_fixtures import write_moe_gguf_from_hf, write_tiny_gemma_gguf, write_tiny_llama_gguf
 
 QUANT_MIX = {
     "token_embd.weight": "Q8_0",
@@ -92,6 +93,70 @@ def test_smollm2_gguf_builds_the_same_engine_as_its_hf_checkpoint(smollm2_gguf, 
     for key in ("bos_token_id", "eos_token_ids", "chat_template"):
         assert ta[key] == tb[key], key
     assert a.config.provenance["source_format"] == "gguf" and b.config.provenance["source_format"] == "hf"
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_gguf_builds_the_same_engine_as_its_hf_checkpoint(name, tiny_checkpoints, tmp_path):
+    """llama.cpp's mixture-of-experts layout (stacked experts, ffn_gate_inp router, Qwen2-MoE's shared expert and its
+    vector gate, Mixtral as `llama` with permuted Q/K, Qwen's dense layers without a router) gives the engine the HF
+    checkpoint gives: the same spec and the same tensors, bit for bit."""
+    path = tmp_path / f"{name}.gguf"
+    write_moe_gguf_from_hf(tiny_checkpoints[name], path)
+    build_engine(BuildOptions(path, tmp_path / "from-gguf", dtype="float32", max_seq_len=128, progress=False))
+    build_engine(BuildOptions(tiny_checkpoints[name], tmp_path / "from-hf", dtype="float32", max_seq_len=128, progress=False))
+    a, b = load_engine(tmp_path / "from-gguf"), load_engine(tmp_path / "from-hf")
+    spec = a.config.model
+    assert np.float32(spec.norm_eps) == np.float32(b.config.model.norm_eps)  # GGUF keeps it as float32
+    assert dataclasses.replace(spec, norm_eps=b.config.model.norm_eps) == b.config.model and spec.num_experts > 0
+    assert a.weights.tensors.keys() == b.weights.tensors.keys()
+    for tensor in a.weights.tensors:
+        np.testing.assert_array_equal(a.weights.read(tensor), b.weights.read(tensor), err_msg=tensor)
+
+
+def test_quantized_stacked_experts_are_read_one_expert_at_a_time(tiny_checkpoints, tmp_path):
+    """Each expert of a Q8_0 stack is its own rows' blocks, dequantized alone: what dequantizing the whole stack
+    gives for that expert."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from precast.builder.checkpoint.gguf_layout import read_gguf_layout
+
+    path = tmp_path / "qwen3_moe.gguf"
+    write_moe_gguf_from_hf(tiny_checkpoints["qwen3_moe"], path, expert_type="Q8_0")
+    ckpt = open_checkpoint(path)
+    stack = next(t for t in read_gguf_layout(path).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    assert stack.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    whole = dequantize(np.asarray(stack.data), stack.tensor_type).reshape(tuple(reversed(stack.shape)))
+    for e in (0, 7, 15):
+        np.testing.assert_array_equal(ckpt.read(f"model.layers.1.mlp.experts.{e}.down_proj.weight"), whole[e])
+    assert ckpt.tensor_shape("model.layers.1.mlp.experts.15.down_proj.weight") == (64, 32)
+
+
+def test_moe_gguf_with_another_routing_rule_is_refused(tiny_checkpoints, tmp_path):
+    import gguf
+
+    from precast.builder.checkpoint.gguf_layout import read_gguf_layout
+    from precast.errors import PrecastError
+
+    path = tmp_path / "qwen3_moe.gguf"
+    write_moe_gguf_from_hf(tiny_checkpoints["qwen3_moe"], path)
+    layout = read_gguf_layout(path)
+    sigmoid = tmp_path / "sigmoid.gguf"
+    w = gguf.GGUFWriter(sigmoid, "qwen3moe")
+    for key, value in layout.metadata.items():
+        if key.startswith("qwen3moe.") and isinstance(value, int):
+            w.add_uint32(key, value)
+        elif key.startswith("qwen3moe.") and isinstance(value, float):
+            w.add_float32(key, value)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    for t in layout.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).view(np.float32).reshape(tuple(reversed(t.shape))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(PrecastError, match="gating function 2 \\(not softmax\\) is not supported"):
+        open_checkpoint(sigmoid)
 
 
 MULTILINGUAL = (
