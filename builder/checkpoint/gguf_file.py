@@ -36,6 +36,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 # llama.cpp exports Mixtral as `llama` with experts (llama.expert_count > 0).
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
@@ -116,12 +117,18 @@ _MIXTRAL_LAYER_NAMES = {
     "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
     "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
 }
+# Phi-3 keeps q|k|v and gate|up fused, as its HF checkpoints do (ffn_up is the fused gate|up).
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Tensors that carry RoPE parameters, not weights: llama3's frequency divisors, Phi-3's LongRoPE factors.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def _layer_names(arch: str, experts: bool) -> dict[str, str]:
     if arch in _GEMMA:
         return _GEMMA_LAYER_NAMES
+    if arch == "phi3":
+        return _PHI3_LAYER_NAMES
     if arch in ("qwen2moe", "qwen3moe"):
         return _QWEN_MOE_LAYER_NAMES
     return _MIXTRAL_LAYER_NAMES if experts else _LAYER_NAMES
@@ -166,8 +173,9 @@ class GGUFCheckpoint(Checkpoint):
         if arch not in GGUF_ARCHITECTURES:
             raise PrecastError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
         self.gguf_architecture: str = arch
-        rope_freqs = next((t for t in layout.tensors if t.name == "rope_freqs.weight"), None)
-        tensors = [t for t in layout.tensors if t.name != "rope_freqs.weight"]  # RoPE divisors, not a weight
+        rope = {t.name: t for t in layout.tensors if t.name in _ROPE_TENSORS}
+        rope_freqs = rope.get("rope_freqs.weight")
+        tensors = [t for t in layout.tensors if t.name not in _ROPE_TENSORS]
         gguf_names = [t.name for t in tensors]
         names = _layer_names(arch, bool(self.metadata.get(f"{arch}.expert_count")))
         unknown = [n for n in gguf_names if _hf_name(n, names) is None]
@@ -188,6 +196,8 @@ class GGUFCheckpoint(Checkpoint):
         self.config = self._hf_config(set(gguf_names), tensors)
         if rope_freqs is not None:
             self.config["rope_scaling"] = self._llama3_scaling(rope_freqs)
+        if "rope_factors_long.weight" in rope or "rope_factors_short.weight" in rope:
+            self.config["rope_scaling"] = self._longrope_scaling(rope)
 
     def _llama3_scaling(self, rope_freqs: GGUFTensor) -> dict[str, Any]:
         """llama.cpp writes llama3 RoPE scaling as per-frequency divisors (rope_freqs.weight); the llama3
@@ -212,6 +222,25 @@ class GGUFCheckpoint(Checkpoint):
             )
         return {"rope_type": "llama3", **params, "original_max_position_embeddings": original}
 
+    def _longrope_scaling(self, rope: dict[str, GGUFTensor]) -> dict[str, Any]:
+        """Phi-3's LongRoPE as llama.cpp writes it: per-frequency factors for short and long contexts as tensors, the
+        original context and the attention factor in the metadata."""
+        from gguf import GGMLQuantizationType
+
+        arch, factors = self.gguf_architecture, {}
+        for kind in ("long", "short"):
+            t = rope.get(f"rope_factors_{kind}.weight")
+            if t is None or t.tensor_type != GGMLQuantizationType.F32:
+                raise PrecastError(f"{self.path}: LongRoPE needs both rope_factors_long and rope_factors_short as F32 tensors")
+            factors[f"{kind}_factor"] = [float(v) for v in np.asarray(t.data).view("<f4").reshape(-1)]
+        original = self.metadata.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise PrecastError(f"{self.path}: LongRoPE factors without {arch}.rope.scaling.original_context_length")
+        scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
+        if self.metadata.get(f"{arch}.rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(self.metadata[f"{arch}.rope.scaling.attn_factor"])
+        return scaling
+
     def _hf_config(self, gguf_names: set[str], tensors: list[GGUFTensor]) -> dict[str, Any]:
         arch = self.gguf_architecture
         experts = bool(self.metadata.get(f"{arch}.expert_count"))
@@ -233,6 +262,10 @@ class GGUFCheckpoint(Checkpoint):
             config["vocab_size"] = int(embedding.shape[-1])
         if "head_dim" not in config and f"{arch}.rope.dimension_count" in self.metadata and arch in _PERMUTED_QK:
             config["head_dim"] = self.metadata[f"{arch}.rope.dimension_count"]
+        rotated = self.metadata.get(f"{arch}.rope.dimension_count")
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        if arch == "phi3" and rotated and int(rotated) != head_dim:  # Phi-4-mini rotates 3/4 of each head
+            config["partial_rotary_factor"] = int(rotated) / head_dim
         scaling = self.metadata.get(f"{arch}.rope.scaling.type")
         if scaling not in (None, "none"):
             rope: dict[str, Any] = {"rope_type": scaling, "factor": self.metadata.get(f"{arch}.rope.scaling.factor")}

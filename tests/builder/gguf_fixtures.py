@@ -259,3 +259,52 @@ def write_moe_gguf_from_hf(hf_dir: Path, path: Path, expert_type: str = "F32") -
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_phi3_gguf_from_hf(hf_dir: Path, path: Path) -> None:
+    """A tiny HF Phi-3 / Phi-4-mini checkpoint in llama.cpp's `phi3` layout: attn_qkv and ffn_up (gate|up) fused,
+    Q/K rows as HF keeps them, the rotated dimensions as rope.dimension_count (partial rotary), LongRoPE's factors as
+    the rope_factors_long / rope_factors_short tensors with the original context in the metadata; no tokenizer."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    hf = load_file(hf_dir / "model.safetensors")
+    rope = config["rope_parameters"]
+    heads = config["num_attention_heads"]
+    head_dim = config["hidden_size"] // heads
+    w = gguf.GGUFWriter(path, "phi3")
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(config["vocab_size"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    w.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+    w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"]}
+    if "lm_head.weight" in hf:
+        out["output.weight"] = hf["lm_head.weight"]
+    for i in range(config["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        out[b + "attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[b + "attn_qkv.weight"] = hf[p + "self_attn.qkv_proj.weight"]
+        out[b + "attn_output.weight"] = hf[p + "self_attn.o_proj.weight"]
+        out[b + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[b + "ffn_up.weight"] = hf[p + "mlp.gate_up_proj.weight"]
+        out[b + "ffn_down.weight"] = hf[p + "mlp.down_proj.weight"]
+    for name, array in out.items():
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

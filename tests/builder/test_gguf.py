@@ -12,7 +12,7 @@ import torch
 from precast.builder.build import BuildOptions, build_engine
 from precast.builder.checkpoint import open_checkpoint
 from precast.engine.directory import load_engine
-from tests.builder.gguf_fixtures import write_moe_gguf_from_hf, write_tiny_gemma_gguf, write_tiny_llama_gguf
+from tests.builder.gguf_fixtures import write_moe_gguf_from_hf, write_phi3_gguf_from_hf, write_tiny_gemma_gguf, write_tiny_llama_gguf
 
 QUANT_MIX = {
     "token_embd.weight": "Q8_0",
@@ -108,6 +108,29 @@ def test_moe_gguf_builds_the_same_engine_as_its_hf_checkpoint(name, tiny_checkpo
     spec = a.config.model
     assert np.float32(spec.norm_eps) == np.float32(b.config.model.norm_eps)  # GGUF keeps it as float32
     assert dataclasses.replace(spec, norm_eps=b.config.model.norm_eps) == b.config.model and spec.num_experts > 0
+    assert a.weights.tensors.keys() == b.weights.tensors.keys()
+    for tensor in a.weights.tensors:
+        np.testing.assert_array_equal(a.weights.read(tensor), b.weights.read(tensor), err_msg=tensor)
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi4mini"])
+def test_phi3_gguf_builds_the_same_engine_as_its_hf_checkpoint(name, tiny_checkpoints, tmp_path):
+    """llama.cpp's phi3 layout (fused qkv and gate|up, a sliding window, partial rotary as rope.dimension_count,
+    LongRoPE's factors as tensors) gives the HF checkpoint's engine: the same tensors bit for bit, the same spec but for
+    what GGUF keeps in float32 (eps, the LongRoPE factors), the same RoPE frequencies to float32 precision."""
+    from precast.engine.rope import rope_parameters
+
+    path = tmp_path / f"{name}.gguf"
+    write_phi3_gguf_from_hf(tiny_checkpoints[name], path)
+    build_engine(BuildOptions(path, tmp_path / "from-gguf", dtype="float32", max_seq_len=1024, progress=False))
+    build_engine(BuildOptions(tiny_checkpoints[name], tmp_path / "from-hf", dtype="float32", max_seq_len=1024, progress=False))
+    a, b = load_engine(tmp_path / "from-gguf"), load_engine(tmp_path / "from-hf")
+    ours, theirs = a.config.model, b.config.model
+    assert ours.rope_scaling.rope_type == "longrope" and ours.rotary_dim == theirs.rotary_dim
+    assert dataclasses.replace(ours, norm_eps=theirs.norm_eps, rope_scaling=theirs.rope_scaling) == theirs
+    for max_seq_len in (1024, 200):  # the long factors, and the short ones (within the original 256 positions)
+        for a_part, b_part in zip(rope_parameters(ours, max_seq_len), rope_parameters(theirs, max_seq_len)):
+            np.testing.assert_allclose(a_part, b_part, rtol=1e-6)
     assert a.weights.tensors.keys() == b.weights.tensors.keys()
     for tensor in a.weights.tensors:
         np.testing.assert_array_equal(a.weights.read(tensor), b.weights.read(tensor), err_msg=tensor)
