@@ -152,3 +152,22 @@ def test_triton_repository_takes_the_backend(tiny_engines, tmp_path):
     assert 'key: "backend" value: { string_value: "cuda" }' in (repo / "precast" / "config.pbtxt").read_text()
     with pytest.raises(PrecastError, match="unknown backend 'gpu'"):
         write_model_repository(tiny_engines["llama"], tmp_path / "other", "precast", backend="gpu")
+
+
+@pytest.mark.slow
+def test_the_device_check_script_runs_at_a_tiny_shape(tmp_path):
+    """benchmarks/gpu_check.py end to end on the CPU (`device --small`, about 5 minutes): its greedy comparisons hold
+    and its table is written, so the prepared device run does not fail on the script itself."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_check.py"), "device", "--small", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+        env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert report.count("identical") == 3 and "| Llama-3-8B shape, 4 layers | fp8 | 4 |" in report
