@@ -156,7 +156,7 @@ def test_triton_repository_takes_the_backend(tiny_engines, tmp_path):
 
 @pytest.mark.slow
 def test_the_device_check_script_runs_at_a_tiny_shape(tmp_path):
-    """benchmarks/gpu_check.py end to end on the CPU (`device --small`, about 5 minutes): its greedy comparisons hold
+    """benchmarks/gpu_check.py end to end on the CPU (`device --small`, 5-10 minutes): its greedy comparisons hold
     and its table is written, so the prepared device run does not fail on the script itself."""
     import os
     import subprocess
@@ -170,4 +170,6 @@ def test_the_device_check_script_runs_at_a_tiny_shape(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = (tmp_path / "out" / "gpu_check.md").read_text()
-    assert report.count("identical") == 3 and "| Llama-3-8B shape, 4 layers | fp8 | 4 |" in report
+    # float32 multiplies give the CPU runner's tokens; bf16 operands and pools may not (reported, not failed)
+    assert report.count(": identical") >= 2 and "bfloat16 engine, matmul weights:" in report
+    assert "| Llama-3-8B shape, 4 layers | fp8 | 4 |" in report
