@@ -233,7 +233,7 @@ def test_refusals(smollm2_bf16_engine, tiny_engines, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(PrecastError, match=r"different tokenizer .*'hello'=\d+"):
         LLM(smollm2_bf16_engine, speculative=f"draft={other}")
-    with pytest.raises(PrecastError, match="runs on the cpu backend"):
+    with pytest.raises(PrecastError, match="runs on the cpu and cuda backends"):
         LLM(tiny_engines["llama"], backend="tensorrt-reference", speculative="ngram")
     with pytest.raises(PrecastError, match="does not exist"):
         LLM(smollm2_bf16_engine, speculative="draft=/nonexistent/engine")
