@@ -115,6 +115,16 @@ def write_tiny_llama_gguf(
     w.close()
 
 
+def write_float32_tensors(writer, tensors: dict[str, np.ndarray]) -> None:
+    """Add `tensors` as F32 and write the file out (header, metadata, tensors), closing the writer."""
+    for name, array in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_tiny_gemma_gguf(path: Path, arch: str, vocabulary: tuple[list[str], list[float], list[int]], seed: int = 0) -> None:
     """A Gemma 2 (2 layers) or Gemma 3 (6 layers: the sixth global) GGUF as llama.cpp exports one: hidden 64, 2 heads,
     1 KV head of head_dim 256 (so llama.cpp's and transformers' default query scale agree), ffn 128, tied
@@ -168,12 +178,7 @@ def write_tiny_gemma_gguf(path: Path, arch: str, vocabulary: tuple[list[str], li
         tensors[p + "ffn_gate.weight"] = rng.standard_normal((ffn, hidden)) * 0.2
         tensors[p + "ffn_up.weight"] = rng.standard_normal((ffn, hidden)) * 0.2
         tensors[p + "ffn_down.weight"] = rng.standard_normal((hidden, ffn)) * 0.2
-    for name, array in tensors.items():
-        w.add_tensor(name, np.asarray(array, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_float32_tensors(w, tensors)
 
 
 def write_moe_gguf_from_hf(hf_dir: Path, path: Path, expert_type: str = "F32") -> None:
@@ -248,17 +253,11 @@ def write_moe_gguf_from_hf(hf_dir: Path, path: Path, expert_type: str = "F32") -
                 out[f"{b}ffn_{kind}_shexp.weight"] = hf[f"{p}mlp.shared_expert.{kind}_proj.weight"]
             out[b + "ffn_gate_inp_shexp.weight"] = hf[p + "mlp.shared_expert_gate.weight"].reshape(-1)
     rng = np.random.default_rng(0)
-    for name, array in out.items():
-        if "_exps" in name and expert_type != "F32":
-            qtype = gguf.GGMLQuantizationType[expert_type]
-            raw = random_quantized(expert_type, array.shape[0] * array.shape[1], array.shape[2], rng)
-            w.add_tensor(name, raw.reshape(array.shape[0], array.shape[1], -1), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    for name in [n for n in out if "_exps" in n and expert_type != "F32"]:  # random blocks of that type instead
+        array = out.pop(name)
+        raw = random_quantized(expert_type, array.shape[0] * array.shape[1], array.shape[2], rng)
+        w.add_tensor(name, raw.reshape(array.shape[0], array.shape[1], -1), raw_dtype=gguf.GGMLQuantizationType[expert_type])
+    write_float32_tensors(w, out)
 
 
 def write_phi3_gguf_from_hf(hf_dir: Path, path: Path) -> None:
@@ -302,9 +301,4 @@ def write_phi3_gguf_from_hf(hf_dir: Path, path: Path) -> None:
         out[b + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
         out[b + "ffn_up.weight"] = hf[p + "mlp.gate_up_proj.weight"]
         out[b + "ffn_down.weight"] = hf[p + "mlp.down_proj.weight"]
-    for name, array in out.items():
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_float32_tensors(w, out)
