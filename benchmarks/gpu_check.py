@@ -37,6 +37,7 @@ SMOLLM2 = dict(
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
 CONTEXT = 512  # tokens cached per sequence when decode is timed
+TOKENS_PER_BLOCK = 32
 STEPS = 30
 
 
@@ -158,39 +159,25 @@ def copy_bandwidth(torch: Any, device: Any) -> float:
     return 2 * n / (ms / 1e3)
 
 
-def decode_batch(batch_size: int, context: int, tokens_per_block: int, blocks_per_seq: int) -> SimpleNamespace:
-    """The executor's decode batch: batch_size sequences with `context` tokens cached, one new token each."""
-    seqs = [
-        SimpleNamespace(
-            request_id=i,
-            context_len=context,
-            num_tokens=1,
-            token_offset=i,
-            sample=True,
-            all_logits=False,
-            block_table=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-        )  # fmt: skip
-        for i in range(batch_size)
-    ]
-    return SimpleNamespace(token_ids=[5] * batch_size, positions=[context] * batch_size, sequences=seqs)
-
-
-def prefill(runner: Any, batch_size: int, context: int, blocks_per_seq: int) -> None:
-    """Fill each sequence's cache with `context` tokens, one sequence per step."""
-    for i in range(batch_size):
-        seq = SimpleNamespace(
-            request_id=i, context_len=0, num_tokens=context, token_offset=0, sample=True, all_logits=False,
-            block_table=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-        )  # fmt: skip
-        runner.forward(SimpleNamespace(token_ids=[7] * context, positions=list(range(context)), sequences=[seq]))
+def sequence(i: int, context_len: int, num_tokens: int, token_offset: int, blocks_per_seq: int) -> SimpleNamespace:
+    """Sequence i of an executor batch, owning blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
+    blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+    return SimpleNamespace(
+        request_id=i, context_len=context_len, num_tokens=num_tokens, token_offset=token_offset, sample=True,
+        all_logits=False, block_table=blocks,
+    )  # fmt: skip
 
 
 def time_precast(runner: Any, batch_size: int, clock: Clock) -> float:
-    """Decode tokens per second of the runner at this batch size (graphs on a GPU, where it takes them)."""
-    per_seq = -(-(CONTEXT + 1) // 32)
-    runner.configure_kv(batch_size * per_seq, 32)
-    prefill(runner, batch_size, CONTEXT, per_seq)
-    batch = decode_batch(batch_size, CONTEXT, 32, per_seq)
+    """Decode tokens per second of the runner at this batch size (graphs on a GPU, where it takes them): each
+    sequence's cache filled with CONTEXT tokens (one sequence per step), then steps of one new token each."""
+    per_seq = -(-(CONTEXT + 1) // TOKENS_PER_BLOCK)
+    runner.configure_kv(batch_size * per_seq, TOKENS_PER_BLOCK)
+    for i in range(batch_size):
+        prompt = SimpleNamespace(token_ids=[7] * CONTEXT, positions=list(range(CONTEXT)), sequences=[sequence(i, 0, CONTEXT, 0, per_seq)])
+        runner.forward(prompt)
+    seqs = [sequence(i, CONTEXT, 1, i, per_seq) for i in range(batch_size)]
+    batch = SimpleNamespace(token_ids=[5] * batch_size, positions=[CONTEXT] * batch_size, sequences=seqs)
     return batch_size / (clock.median_ms(lambda: runner.forward(batch)) / 1e3)
 
 
@@ -208,10 +195,10 @@ def time_eager(model: Any, batch_size: int, clock: Clock, torch: Any, device: An
         return batch_size / (clock.median_ms(one) / 1e3)
 
 
-def weight_bytes(weights: Any, tied: bool) -> int:
-    """Bytes one decode step reads: every matrix but the embedding (one row each), which is the head when tied."""
-    total = sum(w.nbytes for name, w in weights.linears.items() if name != "embed")
-    return total + (weights.linears["embed"].nbytes if tied else 0)
+def weight_bytes(weights: Any) -> int:
+    """Bytes one decode step reads: every matrix but the embedding (one row each), unless it is the head (tied)."""
+    tied = "lm_head" not in weights.linears
+    return sum(w.nbytes for name, w in weights.linears.items() if name != "embed" or tied)
 
 
 def llama8b_layers(torch: Any, device: Any, small: bool, fp8: bool) -> tuple[Any, Any]:
@@ -304,7 +291,7 @@ def device_check(out: Path, work: Path, small: bool) -> int:
         runner = make_cuda_runner(engine, "weights")
         ours = time_precast(runner, batch_size, clock)
         theirs = time_eager(eager, batch_size, clock, torch, device)
-        limit = bandwidth / weight_bytes(runner.weights, tied=False) * batch_size
+        limit = bandwidth / weight_bytes(runner.weights) * batch_size
         rows.append(("SmolLM2 shape", "bf16", batch_size, ours, theirs, limit))
     del eager
     for fp8 in (False, True):
@@ -312,7 +299,7 @@ def device_check(out: Path, work: Path, small: bool) -> int:
             model, runner = llama8b_layers(torch, device, small, fp8)
             ours = time_precast(runner, batch_size, clock)
             theirs = time_eager(model, batch_size, clock, torch, device)
-            limit = bandwidth / weight_bytes(runner.weights, tied=False) * batch_size
+            limit = bandwidth / weight_bytes(runner.weights) * batch_size
             rows.append(("Llama-3-8B shape, 4 layers", "fp8" if fp8 else "bf16", batch_size, ours, theirs, limit))
             del model, runner
             if device.type == "cuda":

@@ -177,7 +177,8 @@ class GGUFCheckpoint(Checkpoint):
         rope_freqs = rope.get("rope_freqs.weight")
         tensors = [t for t in layout.tensors if t.name not in _ROPE_TENSORS]
         gguf_names = [t.name for t in tensors]
-        names = _layer_names(arch, bool(self.metadata.get(f"{arch}.expert_count")))
+        self.has_experts = bool(self.metadata.get(f"{arch}.expert_count"))  # a mixture of experts
+        names = _layer_names(arch, self.has_experts)
         unknown = [n for n in gguf_names if _hf_name(n, names) is None]
         if unknown:
             raise PrecastError(f"{path}: tensors precast does not know how to map: {', '.join(unknown[:10])}")
@@ -243,13 +244,12 @@ class GGUFCheckpoint(Checkpoint):
 
     def _hf_config(self, gguf_names: set[str], tensors: list[GGUFTensor]) -> dict[str, Any]:
         arch = self.gguf_architecture
-        experts = bool(self.metadata.get(f"{arch}.expert_count"))
-        model_type, class_name = _MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
+        model_type, class_name = _MIXTRAL if arch == "llama" and self.has_experts else GGUF_ARCHITECTURES[arch]
         config: dict[str, Any] = {"model_type": model_type, "architectures": [class_name], "hidden_act": "silu"}
         for key, hf_key in _CONFIG_KEYS.items():
             if f"{arch}.{key}" in self.metadata:
                 config[hf_key] = self.metadata[f"{arch}.{key}"]
-        if experts:
+        if self.has_experts:
             config.update(self._moe_config(gguf_names, int(config["num_hidden_layers"])))
         for required in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if required not in config:

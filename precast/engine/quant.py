@@ -11,8 +11,9 @@
 Each layer format is one class, found through FORMATS by its name. It owns everything about the
 format: the tensors it stores (layout), how a float32 weight becomes them (quantize), the checks of
 a loaded record (validation), how the CPU runner takes it (load_cpu), what the GPU kernels read
-(device_arrays: plugins/triton/linear.py) and how the TensorRT lowering dequantizes it (lower_weight, lower_input). Block and group scales are tensors beside the weights
-(`{layer}.weight_scale`); every per-tensor scale is in the record. A record whose scales are still
+(device_arrays: plugins/triton/linear.py) and how the TensorRT lowering dequantizes it (lower_weight,
+lower_input). Block and group scales are tensors beside the weights (`{layer}.weight_scale`); every
+per-tensor scale is in the record. A record whose scales are still
 None is a plan (the layout is known before calibration has run); a loaded engine's records are
 complete.
 """

@@ -37,6 +37,17 @@ def rope_parameters(spec: ModelSpec, max_seq_len: int | None = None, local: bool
     return padded, attention
 
 
+def rope_tables(spec: ModelSpec, max_seq_len: int, num_positions: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin float32 [num_positions, head_dim / 2] for positions 0.., angles position * inv_freq in float32 (as
+    the CPU runner computes them), both times the attention factor; 1 and 0 past the rotary pairs, so those pass
+    through. The tables backends that rotate by lookup use (the TensorRT lowering, the CUDA runner)."""
+    inv_freq, attention_factor = rope_parameters(spec, max_seq_len, local=local)
+    angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles) * np.float32(attention_factor), np.sin(angles) * np.float32(attention_factor)
+    cos[:, spec.rotary_dim // 2 :], sin[:, spec.rotary_dim // 2 :] = 1.0, 0.0
+    return cos, sin
+
+
 def rotary_row_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     """Source row of each stored q/k row within a head: stored j <- j and stored j + head_dim/2 <- j + rotary_dim/2
     for j < rotary_dim/2 (the rotary pairs), and the pass-through rows fill the rest in order."""

@@ -45,10 +45,7 @@ class DecodeGraphs:
         positions[:n] = batch.positions
         token_ids = np.zeros(bucket, np.int32)
         token_ids[:n] = batch.token_ids
-        if token_ids.max() >= runner.spec.vocab_size or token_ids.min() < 0:
-            raise ValueError("token id out of range")
-        if positions.max() >= runner.max_positions:
-            raise ValueError(f"position {positions.max()} is past the engine's max_seq_len {runner.max_positions}")
+        runner.check_batch(token_ids, positions)
         tables = np.full((bucket, self.max_blocks), runner.scratch_block, np.int32)
         slot_blocks = np.full(bucket, runner.scratch_block, np.int32)
         for i, s in enumerate(seqs):

@@ -23,7 +23,7 @@ import numpy as np
 
 from precast import _C
 from precast.engine.directory import Engine
-from precast.engine.rope import has_local_rope, rope_parameters
+from precast.engine.rope import has_local_rope, rope_tables
 from precast.engine.tensors import head_name
 from precast.errors import PrecastError
 
@@ -164,10 +164,7 @@ class CudaRunner(_C.ModelRunner):
         seqs = list(batch.sequences)
         token_ids = np.asarray(batch.token_ids, np.int32)
         positions = np.asarray(batch.positions, np.int32)
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.spec.vocab_size):
-            raise ValueError("token id out of range")
-        if positions.size and positions.max() >= self.max_positions:
-            raise ValueError(f"position {positions.max()} is past the engine's max_seq_len {self.max_positions}")
+        self.check_batch(token_ids, positions)
         slot_blocks = np.empty_like(positions)
         rows: list[int] = []
         for s in seqs:
@@ -273,11 +270,13 @@ class CudaRunner(_C.ModelRunner):
         return out
 
     def _rope_tables(self, local: bool) -> tuple[Any, Any]:
-        """cos and sin [max_seq_len, head_dim / 2] (float32 angles, as the CPU runner), 1 and 0 past the rotary pairs."""
-        spec = self.spec
-        inv_freq, factor = rope_parameters(spec, self.max_positions, local=local)
-        angles = np.arange(self.max_positions, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
-        cos, sin = np.cos(angles) * np.float32(factor), np.sin(angles) * np.float32(factor)
-        cos[:, spec.rotary_dim // 2 :], sin[:, spec.rotary_dim // 2 :] = 1.0, 0.0
-        t = self.torch
-        return t.from_numpy(cos.astype(np.float32)).to(self.device), t.from_numpy(sin.astype(np.float32)).to(self.device)
+        """cos and sin [max_seq_len, head_dim / 2] on the device (precast/engine/rope.py's tables)."""
+        cos, sin = rope_tables(self.spec, self.max_positions, self.max_positions, local=local)
+        return self.torch.from_numpy(cos).to(self.device), self.torch.from_numpy(sin).to(self.device)
+
+    def check_batch(self, token_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Token ids within the vocabulary, positions within the RoPE tables (max_seq_len)."""
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.spec.vocab_size):
+            raise ValueError("token id out of range")
+        if positions.size and positions.max() >= self.max_positions:
+            raise ValueError(f"position {positions.max()} is past the engine's max_seq_len {self.max_positions}")

@@ -29,7 +29,6 @@ def _device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None =
 class DeviceWeights:
     linears: dict[str, LinearWeight] = field(default_factory=dict)  # layer name -> weight
     vectors: dict[str, torch.Tensor] = field(default_factory=dict)  # norms and biases, float32
-    nbytes: int = 0
 
     def linear(self, layer: str) -> LinearWeight:
         if layer not in self.linears:
@@ -61,7 +60,6 @@ def upload(engine: Engine, device: torch.device) -> DeviceWeights:
                 scales = _device(scales, device, torch.float8_e4m3fn if fmt == "nvfp4" else None)
             weight = LinearWeight(fmt, values, *shapes[name], scales=scales, **arrays)
             out.linears[layer] = weight
-            out.nbytes += weight.nbytes
             continue
         array = engine.weights.read(name)
         if not np.isfinite(array.astype(np.float32)).all():
@@ -74,7 +72,6 @@ def upload(engine: Engine, device: torch.device) -> DeviceWeights:
         else:
             tensor = _device(array.astype(np.float32), device)
             out.vectors[name] = tensor
-        out.nbytes += tensor.nbytes
     return out
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from precast.engine.directory import Engine, EngineConfig
 from precast.engine.quant import LayerQuant
-from precast.engine.rope import has_local_rope, rope_parameters
+from precast.engine.rope import has_local_rope, rope_tables
 from precast.engine.spec import ModelSpec
 from precast.engine.tensors import head_name
 from precast.errors import PrecastError
@@ -148,11 +148,7 @@ class DecoderLowering:
 
     def rope_tables(self, local: bool) -> tuple[Any, Any]:
         """cos and sin [cache_len, head_dim / 2] for every position (float32 angles, as the CPU runner)."""
-        spec = self.spec
-        inv_freq, attention_factor = rope_parameters(spec, self.engine.config.limits.max_seq_len, local=local)
-        angles = np.arange(self.shape.cache_len, dtype=np.float32)[:, None] * inv_freq[None, :]
-        cos_table, sin_table = np.cos(angles) * np.float32(attention_factor), np.sin(angles) * np.float32(attention_factor)
-        cos_table[:, spec.rotary_dim // 2 :], sin_table[:, spec.rotary_dim // 2 :] = 1.0, 0.0  # partial rotary: pass through
+        cos_table, sin_table = rope_tables(self.spec, self.engine.config.limits.max_seq_len, self.shape.cache_len, local=local)
         tag = "rope.local" if local else "rope"
         return self.const(f"{tag}.cos", cos_table), self.const(f"{tag}.sin", sin_table)
 
