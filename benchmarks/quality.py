@@ -1,11 +1,19 @@
-"""Quality of each quantization recipe on SmolLM2-135M-Instruct against the float32 engine.
+"""Quality of each quantization recipe against the float32 engine, beside llama.cpp's formats at equal bits.
 
-Builds the float32 engine and one engine per recipe (full default calibration: precast's text,
-16 x 256 tokens), then on the held-out text (quantization/data/heldout.txt, 512-token windows):
-perplexity, its ratio to float32, mean per-token KL(float32 || recipe), top-1 agreement; plus
-engine size and the calibration's time and peak memory (as the build recorded them).
+Builds the float32 engine of a packaged model (SmolLM2-135M-Instruct by default; --model picks another) and one
+engine per recipe (full default calibration: precast's text, 16 x 256 tokens), then on the held-out text
+(quantization/data/heldout.txt, 512-token windows): perplexity, its ratio to float32, mean per-token
+KL(float32 || recipe), top-1 agreement; plus engine size and the build's time and peak memory.
 
-    python benchmarks/quality.py [--recipes fp8 nvfp4 int4_awq] [--kv-fp8] [--weights-only] [--windows N]
+llama.cpp (--llamacpp, llama-cpp-python from the `bench` extra) reads the same token ids: its Q8_0 / Q4_K_M / Q4_0
+files are made from the same packaged GGUF by its own quantizer (allow_requantize), and their logits at every
+position are scored against the same float32 log-probabilities. The packaged GGUF is itself quantized (SmolLM2:
+Q4_1, Qwen2.5-Coder: Q4_K_M), and the float32 reference is that file dequantized: a format equal to the shipped one
+holds the reference's own weights (what it loses is llama.cpp's arithmetic) and says nothing about the format's
+quality (the table marks it).
+
+    python benchmarks/quality.py [--model qwen2.5-coder-1.5b-instruct] [--recipes fp8 nvfp4 int4_awq]
+        [--quantize-lm-head] [--llamacpp [Q8_0 Q4_K_M Q4_0]] [--kv-fp8] [--weights-only] [--windows N]
 
 --weights-only adds, for fp8 and nvfp4, the same engine run with activation quantization switched off: what the
 weights alone cost (a diagnostic; the recipes always quantize activations).
@@ -15,10 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+from compare_cpu import FTYPES, MODELS, LlamaCpp, cpu_name, llamacpp_quantize, shipped_type  # benchmarks/ is on sys.path
 
 # Each build runs in its own process, so its peak memory is its own.
 _BUILD = """
@@ -27,88 +39,130 @@ from pathlib import Path
 from precast.builder.build import BuildOptions, build_engine
 from precast.quantization.calibration import peak_rss_mb
 from precast.quantization.recipe import QuantOptions
-gguf, out, recipe, kv = sys.argv[1:5]
+gguf, out, recipe, kv, head, variant = sys.argv[1:7]
 r = build_engine(BuildOptions(Path(gguf), Path(out), max_seq_len=2048, progress=False,
-                              quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv)))
+                              quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv, quantize_lm_head=head == "1",
+                                                 **json.loads(variant))))
 print(json.dumps({"seconds": r.seconds, "peak_rss_mb": peak_rss_mb(),
                   "calibration": r.config.quant.calibration or {}}))
 """
 
 
-def build(gguf: Path, out: Path, recipe: str, kv: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _BUILD, str(gguf), str(out), recipe, kv], capture_output=True, text=True, check=True)
+# A recipe on the command line may name a variant: RECIPE:VARIANT.
+VARIANTS = {
+    "fp8:dynamic": {"activation_scales": "dynamic"},  # per-token activation scales instead of static per-tensor
+    "int4_awq:no-search": {"scale_search": False},  # group scales max|group| / 7, as before the clipping search
+    "int4_awq:g32": {"group_size": 32},
+    "int4_awq:g32-no-search": {"group_size": 32, "scale_search": False},
+}
+
+
+def recipe_variant(spec: str) -> tuple[str, dict]:
+    """'fp8' -> ('fp8', {}); 'fp8:dynamic' -> ('fp8', QuantOptions fields)."""
+    if ":" not in spec:
+        return spec, {}
+    if spec not in VARIANTS:
+        raise SystemExit(f"unknown recipe variant {spec!r}; known: {', '.join(VARIANTS)}")
+    return spec.split(":")[0], VARIANTS[spec]
+
+
+def build(gguf: Path, out: Path, spec: str, kv: str, quantize_lm_head: bool) -> dict:
+    recipe, variant = recipe_variant(spec)
+    cmd = [sys.executable, "-c", _BUILD, str(gguf), str(out), recipe, kv, "1" if quantize_lm_head else "0", json.dumps(variant)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"building {recipe} failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llamacpp_rows(gguf: Path, formats: list[str], windows, reference, tmp: Path, threads: int) -> list[tuple]:
+    """llama.cpp's formats made from the packaged GGUF, scored on the same windows against the same reference."""
+    from precast.quantization.quality import score
+
+    shipped = shipped_type(gguf)
+    rows = []
+    for label in formats:
+        t0 = time.perf_counter()
+        path = gguf if label == shipped else llamacpp_quantize(gguf, tmp / f"{label}.gguf", label)
+        seconds = time.perf_counter() - t0
+        name = f"llama.cpp {label} (shipped: the reference's own format)" if label == shipped else f"llama.cpp {label}"
+        ll = LlamaCpp(path, threads)  # its context holds a 512-token window, logits at every position
+        try:
+            q = score(ll.logits, windows, reference)
+        finally:
+            ll.close()
+        size = f"{path.stat().st_size / 2**20:.1f}"
+        rows.append((name, "f16", q, size, f"{seconds:.1f}", "", ""))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", nargs="+", default=["fp8", "nvfp4", "int4_awq"])
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="a packaged model (precast models)")
+    parser.add_argument("--recipes", nargs="*", default=["fp8", "nvfp4", "int4_awq"], help=f"recipes, or variants: {', '.join(VARIANTS)}")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (as llama.cpp's files do)")
+    parser.add_argument(
+        "--llamacpp", nargs="*", choices=list(FTYPES), default=None, help="llama.cpp formats to score beside (no value: Q8_0 Q4_K_M Q4_0)"
+    )
     parser.add_argument("--kv-fp8", action="store_true", help="also each recipe with an fp8 KV cache, and fp32 weights with one")
     parser.add_argument("--weights-only", action="store_true", help="also fp8 / nvfp4 with activation quantization off")
     parser.add_argument("--windows", type=int, default=None, help="held-out windows (default: all)")
+    parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
     args = parser.parse_args()
 
     from precast.builder.build import BuildOptions, build_engine
     from precast.engine.directory import load_engine
     from precast.packaged import packaged_model_path
-    from precast.quantization.quality import compare, heldout_windows
+    from precast.quantization.quality import compare, heldout_windows, reference_log_probs, reference_quality
+    from precast.runtime.cpu_backend import default_num_threads
 
-    gguf = packaged_model_path("smollm2-135m-instruct")
+    threads = args.threads or default_num_threads()
+    if args.llamacpp is not None:  # before minutes of builds
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as e:
+            raise SystemExit(f"--llamacpp needs llama-cpp-python ({e}): pip install -e '.[bench]' (builds from source, minutes)") from e
+    for spec in args.recipes:  # before minutes of builds
+        recipe_variant(spec)
+    gguf = packaged_model_path(args.model)
     variants = [(r, "auto") for r in args.recipes]
     if args.kv_fp8:
         variants += [("none", "fp8")] + [(r, "fp8") for r in args.recipes]
-    rows = []
+    rows = []  # (name, KV cache, Quality, weights MiB, build s, calibration s, peak RSS MB)
     with tempfile.TemporaryDirectory() as tmp:
         reference = Path(tmp) / "float32"
         build_engine(BuildOptions(gguf, reference, max_seq_len=2048, progress=False))
         windows = heldout_windows(load_engine(reference), 512, args.windows)
         ref_size = (reference / "weights.safetensors").stat().st_size
+        ref_lps = reference_log_probs(reference, windows, threads)
+        ref = reference_quality(windows, ref_lps)
         for recipe, kv in variants:
-            out = Path(tmp) / f"{recipe}-{kv}"
-            built = build(gguf, out, recipe, kv)
-            ours, ref = compare(out, reference, windows)
-            size = (out / "weights.safetensors").stat().st_size
-            rows.append(
-                (
-                    recipe,
-                    kv,
-                    f"{ours.perplexity:.3f}",
-                    f"{ours.perplexity / ref.perplexity:.4f}",
-                    f"{ours.mean_kl:.4f}",
-                    f"{ours.top1_agreement:.3f}",
-                    f"{size / 2**20:.1f}",
-                    f"{built['seconds']:.1f}",
-                    f"{built['calibration'].get('seconds', 0):.1f}",
-                    f"{built['peak_rss_mb']}",
-                )
-            )
-            if args.weights_only and recipe in ("fp8", "nvfp4") and kv == "auto":
-                w, _ = compare(out, reference, windows, quantize_activations=False)
-                rows.append(
-                    (
-                        f"{recipe} weights only (diagnostic)",
-                        kv,
-                        f"{w.perplexity:.3f}",
-                        f"{w.perplexity / ref.perplexity:.4f}",
-                        f"{w.mean_kl:.4f}",
-                        f"{w.top1_agreement:.3f}",
-                        "",
-                        "",
-                        "",
-                        "",
-                    )
-                )
-        print(
-            f"\nSmolLM2-135M-Instruct, held-out text {windows and len(windows)} x 512 tokens "
-            f"({sum(len(w) - 1 for w in windows)} predictions); float32 perplexity {ref.perplexity:.3f}, "
-            f"{ref_size / 2**20:.1f} MiB\n"
-        )
-        print(
-            "| recipe | KV cache | perplexity | vs float32 | mean KL (nats) | top-1 agreement | weights MiB | build s | calibration s | build peak RSS MB |"
-        )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
+            out = Path(tmp) / f"{recipe.replace(':', '-')}-{kv}"
+            built = build(gguf, out, recipe, kv, args.quantize_lm_head)
+            ours, _ = compare(out, reference, windows, threads, reference=ref_lps)
+            size = f"{(out / 'weights.safetensors').stat().st_size / 2**20:.1f}"
+            name = f"{recipe} (head too)" if args.quantize_lm_head and recipe != "none" else recipe
+            calibration = f"{built['calibration'].get('seconds', 0):.1f}"
+            rows.append((name, kv, ours, size, f"{built['seconds']:.1f}", calibration, f"{built['peak_rss_mb']}"))
+            if args.weights_only and recipe_variant(recipe)[0] in ("fp8", "nvfp4") and kv == "auto":
+                w, _ = compare(out, reference, windows, threads, quantize_activations=False, reference=ref_lps)
+                rows.append((f"{name} weights only (diagnostic)", kv, w, "", "", "", ""))
+            shutil.rmtree(out)  # a 1.5B model's engines add up
+        if args.llamacpp is not None:
+            rows += llamacpp_rows(gguf, args.llamacpp or ["Q8_0", "Q4_K_M", "Q4_0"], windows, ref_lps, Path(tmp), threads)
+
+    print(
+        f"\n{args.model} (packaged GGUF: {shipped_type(gguf)}), {cpu_name()}, {threads} threads; held-out text "
+        f"{len(windows)} x 512 tokens ({ref.tokens} predictions); float32 perplexity {ref.perplexity:.3f}, "
+        f"{ref_size / 2**20:.1f} MiB\n"
+    )
+    print(
+        "| recipe | KV cache | perplexity | vs float32 | mean KL (nats) | top-1 agreement | weights MiB | build s | calibration s | build peak RSS MB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, kv, q, *rest in rows:
+        cells = [name, kv, f"{q.perplexity:.3f}", f"{q.perplexity / ref.perplexity:.4f}", f"{q.mean_kl:.4f}", f"{q.top1_agreement:.3f}"]
+        print("| " + " | ".join(cells + list(rest)) + " |")
 
 
 if __name__ == "__main__":

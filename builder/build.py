@@ -40,7 +40,7 @@ from precast.engine.directory import (
     write_json,
 )
 from precast.engine.limits import resolve_limits
-from precast.engine.quant import Int4Layer, QuantSection
+from precast.engine.quant import DYNAMIC_CPU_ONLY, Int4Layer, QuantSection
 from precast.engine.safetensors_file import DTYPES, SafetensorsWriter
 from precast.errors import PrecastError
 from precast.quantization import quantize
@@ -95,6 +95,8 @@ def build_engine(opts: BuildOptions) -> BuildResult:
     for line in remove_stale_scratch(opts.output):
         print(f"precast build: {line}", file=sys.stderr)
     if "tensorrt" in opts.targets:  # fail before minutes of work when no TensorRT builder is installed
+        if opts.quant.activation_scales == "dynamic":
+            raise PrecastError(DYNAMIC_CPU_ONLY)
         import_tensorrt()
         if opts.quant.kv_cache_dtype == "fp8":
             raise PrecastError(FP8_KV_REFUSAL)
@@ -224,7 +226,9 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
         config = replace(engine.config, quant=section, limits=replace(engine.config.limits, kv_cache_dtype=q.kv_cache_dtype))
         scales = quantize.awq_scales(engine, plan, calib, opts.progress) if needs_awq and calib else {}
         with atomic_directory(opts.output, opts.force) as tmp:
-            total, records = quantize.write_quantized_weights(engine, tmp, config.expected_tensors(), plan, calib, scales, opts.progress)
+            total, records = quantize.write_quantized_weights(
+                engine, tmp, config.expected_tensors(), plan, calib, scales, opts.progress, q.scale_search
+            )
             for name in (config.tokenizer or {}).get("files", []):
                 (tmp / name).write_bytes((engine.path / name).read_bytes())
             section = replace(section, layers=records, calibration=calib.report if calib is not None else None)

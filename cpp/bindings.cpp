@@ -8,9 +8,10 @@
 #include <tuple>
 
 #include "check.h"
+#include "cpu/bf16_gemm.h"
+#include "cpu/cpu_features.h"
 #include "cpu/memory_bandwidth.h"
 #include "cpu/quantize.h"
-#include "cpu_features.h"
 #include "cpu_runner.h"
 #include "executor.h"
 #include "guided_decoder.h"
@@ -96,6 +97,25 @@ py::array_t<T> to_numpy(const std::vector<T>& v) {
   return py::array_t<T>(py::ssize_t(v.size()), v.data());
 }
 
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// An int4 helper's arguments: a weight w [rows, cols], one value per column (`per_column`, named `what`), and
+// groups of group_size columns.
+void check_int4_weight(const FloatArray& w, const FloatArray& per_column, int group_size, const char* what) {
+  if (w.ndim() != 2 || per_column.ndim() != 1 || per_column.shape(0) != w.shape(1))
+    throw std::invalid_argument(std::string("w must be [rows, cols] and ") + what + " [cols]");
+  if (group_size <= 0 || w.shape(1) % group_size)
+    throw std::invalid_argument("group_size must divide the number of columns");
+}
+
+// fn(row_begin, row_end) over `rows` rows on num_threads threads, without the GIL.
+template <typename Fn>
+void over_rows(int64_t rows, int num_threads, Fn&& fn) {
+  py::gil_scoped_release release;
+  ThreadPool pool(std::max(1, num_threads));
+  pool.parallel_for(rows, fn);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -116,10 +136,24 @@ PYBIND11_MODULE(_C, m) {
         d["avx512vl"] = f.avx512vl;
         d["avx512_vnni"] = f.avx512_vnni;
         d["avx512_bf16"] = f.avx512_bf16;
+        d["amx_bf16"] = f.amx_bf16;
         d["logical_cores"] = f.logical_cores;
         return d;
       },
       "Instruction sets this CPU and OS support, as detected by cpuid/xgetbv.");
+  m.def(
+      "dot_unit", [] { return dot_unit_name(dot_unit()); },
+      "The unit bf16 / fp8 / nvfp4 / int4 layers multiply on in this process: 'amx', 'avx512_bf16' or 'float32' "
+      "(PRECAST_CPU_DOT picks one).");
+  m.def(
+      "dot_units",
+      [] {
+        py::list units;
+        for (DotUnit u : {DotUnit::kAmx, DotUnit::kAvx512Bf16, DotUnit::kFloat32})
+          if (dot_unit_available(u)) units.append(dot_unit_name(u));
+        return units;
+      },
+      "The dot-product units this host and build can use.");
   m.def("best_isa", &best_isa, "The widest instruction set this host supports: 'avx512', 'avx2' or 'scalar'.");
   m.def(
       "compiled_isa",
@@ -274,6 +308,7 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<ActQuant>(m, "ActQuant")
       .value("NONE", ActQuant::kNone)
       .value("FP8_STATIC", ActQuant::kFp8Static)
+      .value("FP8_DYNAMIC", ActQuant::kFp8Dynamic)
       .value("NVFP4_DYNAMIC", ActQuant::kNvfp4Dynamic);
 
   py::enum_<Activation>(m, "Activation").value("SILU", Activation::kSilu).value("GELU_TANH", Activation::kGeluTanh);
@@ -315,6 +350,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("k_scales", &CpuModelConfig::k_scales)
       .def_readwrite("v_scales", &CpuModelConfig::v_scales)
       .def_readwrite("num_threads", &CpuModelConfig::num_threads)
+      .def_readwrite("float32_matmuls", &CpuModelConfig::float32_matmuls)
       .def_readwrite("layers_only", &CpuModelConfig::layers_only)
       .def_readwrite("first_layer", &CpuModelConfig::first_layer);
 
@@ -445,28 +481,33 @@ PYBIND11_MODULE(_C, m) {
       "fp8 static activation quantization, returned dequantized (for tests).");
   m.def(
       "int4_round_trip_scaled",
-      [](py::array_t<float, py::array::c_style | py::array::forcecast> w,
-         py::array_t<float, py::array::c_style | py::array::forcecast> s, int group_size, int num_threads) {
-        if (w.ndim() != 2 || s.ndim() != 1 || s.shape(0) != w.shape(1))
-          throw std::invalid_argument("w must be [rows, cols] and s [cols]");
-        if (group_size <= 0 || w.shape(1) % group_size)
-          throw std::invalid_argument("group_size must divide the number of columns");
-        const int64_t rows = w.shape(0);
+      [](FloatArray w, FloatArray s, int group_size, int num_threads) {
+        check_int4_weight(w, s, group_size, "s");
         const int cols = int(w.shape(1));
         py::array_t<float> out(w.request().shape);
         const float *wp = w.data(), *sp = s.data();
         float* op = out.mutable_data();
-        {
-          py::gil_scoped_release release;
-          ThreadPool pool(std::max(1, num_threads));
-          pool.parallel_for(rows, [&](int64_t begin, int64_t end) {
-            int4_round_trip_scaled(wp, sp, begin, end, cols, group_size, op);
-          });
-        }
+        over_rows(w.shape(0), num_threads, [&](int64_t begin, int64_t end) {
+          int4_round_trip_scaled(wp, sp, begin, end, cols, group_size, op);
+        });
         return out;
       },
       py::arg("w"), py::arg("s"), py::arg("group_size"), py::arg("num_threads") = 1,
       "dequantize(int4(w * s)) / s per group of columns (AWQ's search; quantization/awq.py).");
+  m.def(
+      "int4_search_scales",
+      [](FloatArray w, FloatArray importance, int group_size, int num_threads) {
+        check_int4_weight(w, importance, group_size, "importance");
+        const int cols = int(w.shape(1));
+        py::array_t<float> out({int64_t(w.shape(0)), int64_t(cols / group_size)});
+        const float *wp = w.data(), *ap = importance.data();
+        float* op = out.mutable_data();
+        over_rows(w.shape(0), num_threads,
+                  [&](int64_t begin, int64_t end) { int4_search_scales(wp, ap, begin, end, cols, group_size, op); });
+        return out;
+      },
+      py::arg("w"), py::arg("importance"), py::arg("group_size"), py::arg("num_threads") = 1,
+      "int4 group scales minimising the importance-weighted error (int4_awq's scale search; quantization/awq.py).");
   m.def(
       "fake_quant_nvfp4",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float global_scale) {
@@ -481,7 +522,7 @@ PYBIND11_MODULE(_C, m) {
       "linear",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> x, WeightDtype dtype, int rows, int cols,
          py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
-         float scale, int num_threads, int repeats) {
+         float scale, int num_threads, int repeats, const std::string& dot) {
         WeightView w{dtype,      rows, cols, values.data(), group_scales ? group_scales->data() : nullptr,
                      group_size, scale};
         if (values.nbytes() != py::ssize_t(weight_values_bytes(dtype, rows, cols)))
@@ -493,7 +534,7 @@ PYBIND11_MODULE(_C, m) {
             throw std::invalid_argument("4-bit weights need group scales [rows, cols / group_size]");
         }
         if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("x must be [n, cols]");
-        PackedMatrix m = PackedMatrix::pack(w);
+        PackedMatrix m = PackedMatrix::pack(w, parse_dot_unit(dot));
         ThreadPool pool(num_threads);
         py::array_t<float> y({x.shape(0), py::ssize_t(rows)});
         const int n = int(x.shape(0));
@@ -517,7 +558,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"),
       py::arg("group_scales") = py::none(), py::arg("group_size") = 0, py::arg("scale") = 1.0f,
-      py::arg("num_threads") = 1, py::arg("repeats") = 1,
+      py::arg("num_threads") = 1, py::arg("repeats") = 1, py::arg("dot") = "auto",
       "y = x @ W.T for a weight in the engine's stored layout (kernel tests); repeats=-N returns (y, mean seconds of N "
       "multiplies after a warm-up, packing excluded), for benchmarks/gemm_cpu.py.");
 

@@ -10,6 +10,7 @@
 #endif
 
 #include "check.h"
+#include "cpu/bf16_gemm.h"
 #include "cpu/quantize.h"
 
 namespace precast {
@@ -116,7 +117,7 @@ void CpuRunner::set_weight(const std::string& name, const void* data, size_t nby
     const float* f = static_cast<const float*>(data);
     vectors_[name].assign(f, f + cols);
   } else {
-    matrices_[name] = Linear{PackedMatrix::pack(data, config_.dtype, rows, cols)};
+    matrices_[name] = Linear{PackedMatrix::pack(WeightView{config_.dtype, rows, cols, data}, unit_for(config_.dtype))};
   }
 }
 
@@ -141,7 +142,14 @@ void CpuRunner::set_quantized_weight(const std::string& name, const WeightView& 
     throw std::invalid_argument(name + ": scales must be finite and positive");
   if (act == ActQuant::kNvfp4Dynamic && cols % kNvfp4Block)
     throw std::invalid_argument(name + ": nvfp4 activations need an input size that is a multiple of 16");
-  matrices_[name] = Linear{PackedMatrix::pack(w), act, act_scale};
+  matrices_[name] = Linear{PackedMatrix::pack(w, unit_for(w.dtype)), act, act_scale};
+}
+
+DotUnit CpuRunner::unit_for(WeightDtype dtype) const {
+  if (config_.float32_matmuls) return DotUnit::kFloat32;
+  // An int4 layer's inputs are rounded to bf16 on the unit: a float32 engine keeps float32 ones.
+  if (dtype == WeightDtype::kINT4 && config_.dtype != WeightDtype::kBF16) return DotUnit::kFloat32;
+  return dot_unit();
 }
 
 const CpuRunner::Linear* CpuRunner::matrix(const std::string& name) const {
@@ -247,15 +255,31 @@ void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, 
                       float* y) {
   const int cols = l.weight.cols;
   if (observer_ && !name.empty()) observer_->observe(name, x, num_rows, cols, cols);
+  float input_scale = 1.0f;
   if (l.act != ActQuant::kNone) {
     quantized_input_.resize(size_t(num_rows) * cols);
+    float* q = quantized_input_.data();
+    // A bf16 dot-product unit takes the codes (exact in bf16) and applies the scale to the outputs.
+    const bool codes = l.weight.dot != DotUnit::kFloat32;
+    if (l.act == ActQuant::kFp8Dynamic) {
+      // Each row (token) on its own scale: the same whatever else is in the batch.
+      row_scales_.resize(size_t(num_rows));
+      fp8_dynamic_scales(x, num_rows, cols, row_scales_.data());
+      for (int r = 0; r < num_rows; ++r) {
+        const int64_t at = int64_t(r) * cols;
+        (codes ? fp8_codes : fake_quant_fp8)(x + at, cols, row_scales_[size_t(r)], q + at);
+      }
+      linear(pool_, q, num_rows, l.weight, bias, y, 1.0f, codes ? row_scales_.data() : nullptr);
+      return;
+    }
     if (l.act == ActQuant::kFp8Static)
-      fake_quant_fp8(x, int64_t(num_rows) * cols, l.act_scale, quantized_input_.data());
+      (codes ? fp8_codes : fake_quant_fp8)(x, int64_t(num_rows) * cols, l.act_scale, q);
     else
-      fake_quant_nvfp4(x, num_rows, cols, l.act_scale, quantized_input_.data());
-    x = quantized_input_.data();
+      (codes ? nvfp4_codes : fake_quant_nvfp4)(x, num_rows, cols, l.act_scale, q);
+    x = q;
+    if (codes) input_scale = l.act_scale;
   }
-  linear(pool_, x, num_rows, l.weight, bias, y);
+  linear(pool_, x, num_rows, l.weight, bias, y, input_scale);
 }
 
 Batch CpuRunner::evaluation_batch(int num_tokens, bool sample) {

@@ -68,6 +68,11 @@ struct CpuModelConfig {
   bool kv_fp8 = false;                    // E4M3 KV cache with these per-layer scales
   std::vector<float> k_scales, v_scales;
   int num_threads = 1;
+  // Matmul precision (runtime/precision.py). false ("weights"): matrices multiply on the chip's bf16 dot-product
+  // unit (dot_unit()) where that computes the engine's own numerics: bf16 weights, fp8 / nvfp4 (operands exact in
+  // bf16), int4 in a bf16 engine (inputs rounded to bf16, as a bf16 engine's activations are). true ("float32"):
+  // every matrix on the exact float32 path.
+  bool float32_matmuls = false;
   // A slice of the decoder, for calibration that streams the model a layer at a time: the runner
   // holds layers first_layer .. first_layer + num_layers - 1 under their engine names, no
   // embedding or LM head (final_norm.weight optional, given to the last slice), and runs
@@ -77,7 +82,8 @@ struct CpuModelConfig {
 };
 
 // How a quantized linear layer quantizes its input.
-enum class ActQuant { kNone, kFp8Static, kNvfp4Dynamic };
+// kFp8Dynamic: per token (row), scale = max|row| / 448, computed at run time.
+enum class ActQuant { kNone, kFp8Static, kFp8Dynamic, kNvfp4Dynamic };
 
 class CpuRunner : public ModelRunner {
  public:
@@ -112,10 +118,12 @@ class CpuRunner : public ModelRunner {
   void set_observer(ActivationObserver* observer) { observer_ = observer; }
 
  private:
+  DotUnit unit_for(WeightDtype dtype) const;  // the unit a matrix of `dtype` multiplies on (float32_matmuls)
+
   struct Linear {
     PackedMatrix weight;
     ActQuant act = ActQuant::kNone;
-    float act_scale = 1.0f;  // fp8: input scale; nvfp4: input global scale
+    float act_scale = 1.0f;  // fp8 static: input scale; nvfp4: input global scale; fp8 dynamic: unused
   };
   struct Layer {
     const Linear *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
@@ -181,7 +189,7 @@ class CpuRunner : public ModelRunner {
   KvPool serving_kv_;  // configure_kv's: block ids from the executor's KV manager
   KvPool eval_kv_;     // evaluate's own
   // Work buffers, grown to the largest batch seen.
-  std::vector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_, quantized_input_;
+  std::vector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_, quantized_input_, row_scales_;
   std::vector<float> router_logits_, expert_in_, expert_gate_up_, expert_act_, expert_y_;
   std::vector<std::vector<std::pair<int, float>>> expert_rows_;  // run_moe: per expert, its (token, weight)s
   ActivationObserver* observer_ = nullptr;                       // not owned

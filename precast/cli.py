@@ -24,6 +24,8 @@ def _build(args: argparse.Namespace) -> None:
         quantize_lm_head=args.quantize_lm_head,
         exclude=tuple(args.exclude),
         group_size=args.group_size,
+        scale_search=not args.no_scale_search,
+        activation_scales=args.activation_scales,
         skip_unsupported=args.skip_unsupported,
         calib_text=Path(args.calib_text) if args.calib_text else None,
         calib_samples=args.calib_samples,
@@ -324,6 +326,18 @@ def make_parser() -> argparse.ArgumentParser:
         help="keep matching layers in full precision (fnmatch on names like layers.0.attn.qkv, *.mlp.down); repeatable",
     )
     qg.add_argument("--group-size", type=int, help="int4_awq group size (default: the largest of 128, 64, 32 dividing the layer's input)")
+    qg.add_argument(
+        "--activation-scales",
+        choices=["static", "dynamic"],
+        default="static",
+        help="fp8 activations: one calibrated scale per tensor (static, default; every backend) or one per token "
+        "computed at run time (dynamic: less quality loss, CPU backend only)",
+    )
+    qg.add_argument(
+        "--no-scale-search",
+        action="store_true",
+        help="int4_awq: each group's scale is max|group| / 7 instead of the one searched on the calibration inputs",
+    )
     qg.add_argument(
         "--skip-unsupported",
         action="store_true",

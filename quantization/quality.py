@@ -8,6 +8,7 @@ whose top-1 token agrees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -48,29 +49,49 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def score(logits_of: Callable[[list[int]], np.ndarray], windows: list[list[int]], reference: list[np.ndarray]) -> Quality:
+    """Quality of a model given as `logits_of(window)` (logits at every position, [len(window), vocab]) against
+    the reference's log-probabilities of the same windows (reference_log_probs). Any model that reads the same
+    token ids can be scored: another engine, or llama.cpp (benchmarks/quality.py)."""
+    nll = kl = agree = 0.0
+    count = 0
+    for window, ref_lp in zip(windows, reference, strict=True):
+        lp = _log_softmax(np.asarray(logits_of(window))[:-1].astype(np.float64))
+        if lp.shape != ref_lp.shape:
+            raise PrecastError(f"logits of shape {lp.shape} against the reference's {ref_lp.shape}: a different vocabulary?")
+        targets = np.asarray(window[1:])
+        nll += -lp[np.arange(len(targets)), targets].sum()
+        kl += (np.exp(ref_lp) * (ref_lp - lp)).sum()
+        agree += (lp.argmax(-1) == ref_lp.argmax(-1)).sum()
+        count += len(targets)
+    return Quality(float(np.exp(nll / count)), float(kl / count), float(agree / count), count)
+
+
+def reference_log_probs(reference_path: str | Path, windows: list[list[int]], num_threads: int | None = None) -> list[np.ndarray]:
+    """Per window, the reference engine's log-probabilities of each next token ([len(window) - 1, vocab])."""
+    reference = make_cpu_runner(load_engine(reference_path), num_threads)
+    return [_log_softmax(reference.evaluate(w, True)[:-1].astype(np.float64)) for w in windows]
+
+
+def reference_quality(windows: list[list[int]], reference: list[np.ndarray]) -> Quality:
+    """The reference scored against itself: its perplexity of the text, KL 0, agreement 1."""
+    nll = sum(-lp[np.arange(len(w) - 1), w[1:]].sum() for w, lp in zip(windows, reference, strict=True))
+    count = sum(len(w) - 1 for w in windows)
+    return Quality(float(np.exp(nll / count)), 0.0, 1.0, count)
+
+
 def compare(
     engine_path: str | Path,
     reference_path: str | Path,
     windows: list[list[int]],
     num_threads: int | None = None,
     quantize_activations: bool = True,
+    reference: list[np.ndarray] | None = None,
 ) -> tuple[Quality, Quality]:
     """(engine's quality, reference's quality) on the same windows. quantize_activations=False measures what
-    the weights alone cost (a diagnostic, not the recipe)."""
-    reference = make_cpu_runner(load_engine(reference_path), num_threads)
+    the weights alone cost (a diagnostic, not the recipe). `reference`: the reference's log-probabilities when
+    already computed (reference_log_probs)."""
+    if reference is None:
+        reference = reference_log_probs(reference_path, windows, num_threads)
     runner = make_cpu_runner(load_engine(engine_path), num_threads, quantize_activations)
-    nll = ref_nll = kl = agree = 0.0
-    count = 0
-    for window in windows:
-        ref_lp = _log_softmax(reference.evaluate(window, True)[:-1].astype(np.float64))
-        lp = _log_softmax(runner.evaluate(window, True)[:-1].astype(np.float64))
-        targets = np.asarray(window[1:])
-        rows = np.arange(len(targets))
-        nll += -lp[rows, targets].sum()
-        ref_nll += -ref_lp[rows, targets].sum()
-        kl += (np.exp(ref_lp) * (ref_lp - lp)).sum()
-        agree += (lp.argmax(-1) == ref_lp.argmax(-1)).sum()
-        count += len(targets)
-    engine_q = Quality(float(np.exp(nll / count)), float(kl / count), float(agree / count), count)
-    ref_q = Quality(float(np.exp(ref_nll / count)), 0.0, 1.0, count)
-    return engine_q, ref_q
+    return score(lambda w: runner.evaluate(w, True), windows, reference), reference_quality(windows, reference)

@@ -101,11 +101,22 @@ def _input_amax(calib: CalibrationResult | None, name: str) -> float:
 
 
 def quantize_layer(
-    name: str, record: LayerQuant, weight: np.ndarray, calib: CalibrationResult | None
+    name: str,
+    record: LayerQuant,
+    weight: np.ndarray,
+    calib: CalibrationResult | None,
+    awq_scale: awq.AwqScale | None = None,
+    scale_search: bool = False,
 ) -> tuple[dict[str, np.ndarray], LayerQuant]:
-    """One layer's stored tensors by engine name, and its completed record."""
+    """One layer's stored tensors by engine name, and its completed record. `weight` is as stored (AWQ's scale
+    folded in); an int4 layer with calibration rows gets searched group scales when `scale_search`."""
     amax = _input_amax(calib, name) if record.quantizes_inputs else None
-    arrays, done = record.quantize(weight, amax)
+    stats = calib.stats.get(name) if calib else None
+    if isinstance(record, Int4Layer) and scale_search and stats is not None and len(stats.samples):
+        inputs = stats.samples if awq_scale is None else stats.samples / awq_scale.scale  # what feeds the stored weight
+        arrays, done = record.quantize(weight, amax, awq.search_group_scales(weight, inputs, record.group_size))
+    else:
+        arrays, done = record.quantize(weight, amax)
     return {f"{name}.{suffix}": array for suffix, array in arrays.items()}, done
 
 
@@ -117,8 +128,10 @@ def write_quantized_weights(
     calib: CalibrationResult | None,
     scales: dict[str, awq.AwqScale],
     progress: bool,
+    scale_search: bool = False,
 ) -> tuple[int, dict[str, LayerQuant]]:
-    """Write weights.safetensors laid out as `expected`. Returns the bytes written and every layer's completed record."""
+    """Write weights.safetensors laid out as `expected`. Returns the bytes written and every layer's completed record.
+    `scale_search`: int4 group scales searched on the calibration rows (awq.search_group_scales)."""
     spec = engine.config.model
     matrix_dtype = numpy_dtype(engine.config.dtype)
     layout = [(n, DTYPES[dt], shape) for n, (shape, dt) in expected.items()]
@@ -137,7 +150,9 @@ def write_quantized_weights(
                 source = fold_awq(name, engine.weights.read(name), scales, spec.q_size, spec.kv_size)
                 layer = name[: -len(".weight")] if name.endswith(".weight") else None
                 if layer in plan:
-                    pending, records[layer] = quantize_layer(layer, plan[layer], source.astype(np.float32), calib)
+                    pending, records[layer] = quantize_layer(
+                        layer, plan[layer], source.astype(np.float32), calib, scales.get(layer), scale_search
+                    )
                     if layer in scales:
                         records[layer] = dataclasses.replace(records[layer], awq=True, awq_alpha=scales[layer].alpha)
                     array = pending.pop(name)

@@ -8,12 +8,13 @@ engine records is engine/quant.py's QuantSection.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
 from precast.engine.limits import KV_CACHE_DTYPES
-from precast.engine.quant import RECIPE_FORMATS, RECIPES, LayerQuant
+from precast.engine.quant import INPUT_SCALES, RECIPE_FORMATS, RECIPES, Fp8Layer, LayerQuant
 from precast.engine.spec import ModelSpec
 from precast.engine.tensors import head_name, linear_shapes
 from precast.errors import PrecastError
@@ -28,6 +29,8 @@ class QuantOptions:
     quantize_lm_head: bool = False
     exclude: tuple[str, ...] = ()
     group_size: int | None = None  # int4_awq: None = the largest of 128, 64, 32 dividing each layer's input
+    scale_search: bool = True  # int4_awq: search each group's scale (clipping) instead of max|group| / 7
+    activation_scales: str = "static"  # fp8: "static" (calibrated, per tensor) or "dynamic" (per token at run time)
     skip_unsupported: bool = False  # leave layers the format cannot take in full precision instead of failing
     calib_text: Path | None = None  # None: the text shipped with precast
     calib_samples: int = 16
@@ -47,6 +50,12 @@ class QuantOptions:
             raise PrecastError(f"--group-size must be an even number >= 2, got {self.group_size}")
         if self.group_size is not None and self.recipe != "int4_awq":
             raise PrecastError("--group-size applies to --quant int4_awq only")
+        if self.activation_scales not in INPUT_SCALES:
+            raise PrecastError(f"--activation-scales {self.activation_scales!r}: choose from {', '.join(INPUT_SCALES)}")
+        if self.activation_scales != "static" and self.recipe != "fp8":
+            raise PrecastError("--activation-scales dynamic applies to --quant fp8 only (nvfp4 scales each 16 inputs at run time)")
+        if not self.scale_search and self.recipe != "int4_awq":
+            raise PrecastError("--no-scale-search applies to --quant int4_awq only")
         if self.quantize_lm_head and self.recipe == "none":
             raise PrecastError("--quantize-lm-head needs a --quant recipe")
         if self.calib_samples < 1 or self.calib_seq_len < 2:
@@ -83,5 +92,7 @@ def plan_layers(spec: ModelSpec, options: QuantOptions) -> dict[str, LayerQuant]
                 f"layer {name} ({rows}x{cols}) cannot be stored as {fmt.format}: {problem}; "
                 f"pass --exclude {name} (or --skip-unsupported) to keep it in full precision"
             )
+        if isinstance(record, Fp8Layer) and options.activation_scales == "dynamic":
+            record = dataclasses.replace(record, input_scales="dynamic")
         plan[name] = record
     return plan

@@ -11,6 +11,7 @@ from precast.engine.directory import Engine
 from precast.engine.rope import has_local_rope, rope_parameters
 from precast.engine.tensors import linear_shapes
 from precast.errors import PrecastError
+from precast.runtime.precision import check_matmul_precision
 
 _WEIGHT_DTYPES = {"float32": _C.WeightDtype.F32, "bfloat16": _C.WeightDtype.BF16, "float16": _C.WeightDtype.F16}
 _ACTIVATIONS = {"silu": _C.Activation.SILU, "gelu_tanh": _C.Activation.GELU_TANH}
@@ -25,9 +26,14 @@ def default_num_threads() -> int:
 
 
 def make_cpu_runner(
-    engine: Engine, num_threads: int | None = None, quantize_activations: bool = True, layers: range | None = None
+    engine: Engine,
+    num_threads: int | None = None,
+    quantize_activations: bool = True,
+    layers: range | None = None,
+    matmul_precision: str = "weights",
 ) -> _C.CpuRunner:
-    """The engine on the CPU runner. quantize_activations=False runs fp8 / nvfp4 layers weight-only: a
+    """The engine on the CPU runner, its matrices multiplied at `matmul_precision` (runtime/precision.py).
+    quantize_activations=False runs fp8 / nvfp4 layers weight-only: a
     diagnostic (benchmarks/quality.py --weights-only) that is not the recipe; serving never sets it.
 
     `layers` loads only those decoder layers (and the final norm with the last one) into a layers_only
@@ -69,6 +75,7 @@ def make_cpu_runner(
     if engine.config.quant.kv_cache is not None:
         engine.config.quant.kv_cache.load_cpu(c)
     c.num_threads = num_threads or default_num_threads()
+    c.float32_matmuls = check_matmul_precision(matmul_precision) == "float32"
     loaded: tuple[str, ...] = ("",)  # name prefixes of the tensors to load: all of them
     if layers is not None:
         c.layers_only, c.first_layer, c.num_layers = True, layers.start, len(layers)

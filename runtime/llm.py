@@ -210,8 +210,8 @@ class LLM:
         `kv_events`: record prefix-cache changes for take_kv_events() (KV-aware routing).
         `speculative`: "ngram" or "draft=ENGINE_DIR" (runtime/speculative.py), with up to `num_draft_tokens`
         proposed tokens per request and step; a request opts out with SamplingParams(speculative=False).
-        `matmul_precision` (backend "cuda"): "weights" (default: bf16 / fp16 tensor cores for dense and int4
-        layers of such engines) or "float32" (the CPU runner's numerics)."""
+        `matmul_precision` (backends "cpu" and "cuda", runtime/precision.py): "weights" (default: the chip's bf16
+        dot-product units / tensor cores where the engine's weights allow) or "float32" (IEEE float32 throughout)."""
         self.engine: Engine = load_engine(engine)
         limits = self.engine.config.limits
         self.speculation = None if speculative is None else parse_speculative(speculative, num_draft_tokens)
@@ -221,12 +221,12 @@ class LLM:
             raise PrecastError(
                 f"speculative decoding runs on the cpu and cuda backends; the {backend} runner returns no logits per draft token"
             )
-        if matmul_precision is not None and backend != "cuda":
-            raise PrecastError("matmul_precision is an option of backend 'cuda'")
+        if matmul_precision is not None and backend not in ("cpu", "cuda"):
+            raise PrecastError(f"matmul_precision is an option of backends 'cpu' and 'cuda'; the {backend} runner has its own")
         self.num_threads: int | None = None  # CPU threads; None on a GPU backend
         if backend == "cpu":
             self.num_threads = num_threads or default_num_threads()
-            self._runner = make_cpu_runner(self.engine, self.num_threads)
+            self._runner = make_cpu_runner(self.engine, self.num_threads, matmul_precision=matmul_precision or "weights")
         elif backend == "cuda":  # docs/gpu.md: precast's Triton kernels; imports torch and triton only here
             from precast.runtime.cuda import make_cuda_runner
 

@@ -333,18 +333,19 @@ SMALL_CALIBRATION = dict(calib_samples=8, calib_seq_len=256)
 
 @pytest.fixture(scope="session")
 def smollm2_quantized_engines(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
-    """recipe -> SmolLM2 engine quantized with it (float32 embeddings and head, as the GGUF build's dtype)."""
+    """recipe -> SmolLM2 engine quantized with it (float32 embeddings and head, as the GGUF build's dtype);
+    "fp8:dynamic" is fp8 with per-token activation scales."""
     from precast.builder.build import BuildOptions, build_engine
     from precast.quantization.recipe import QuantOptions
 
     root = tmp_path_factory.mktemp("smollm2-quant")
-    for recipe in ("fp8", "nvfp4", "int4_awq"):
-        build_engine(
-            BuildOptions(
-                smollm2_gguf, root / recipe, max_seq_len=2048, progress=False, quant=QuantOptions(recipe=recipe, **SMALL_CALIBRATION)
-            )
-        )
-    return {recipe: root / recipe for recipe in ("fp8", "nvfp4", "int4_awq")}
+    variants = {"fp8": {}, "fp8:dynamic": {"activation_scales": "dynamic"}, "nvfp4": {}, "int4_awq": {}}
+    engines = {}
+    for name, options in variants.items():
+        engines[name] = root / name.replace(":", "-")
+        quant = QuantOptions(recipe=name.split(":")[0], **options, **SMALL_CALIBRATION)
+        build_engine(BuildOptions(smollm2_gguf, engines[name], max_seq_len=2048, progress=False, quant=quant))
+    return engines
 
 
 @pytest.fixture(scope="session")

@@ -28,14 +28,19 @@ inputs = [
 responses = queue.Queue()
 client.start_stream(callback=lambda result, error: responses.put((result, error)))
 client.async_stream_infer("precast", inputs, request_id="1", enable_empty_final_response=True)
-while True:
-    result, error = responses.get(timeout=120)
-    if error is not None:
-        sys.exit(f"error: {error}")
-    text = result.as_numpy("text_output")
-    if text is not None:
-        print(text[0][0].decode(), end="", flush=True)
-    if result.get_response().parameters["triton_final_response"].bool_param:
-        break
-client.stop_stream()
+try:
+    while True:
+        try:
+            result, error = responses.get(timeout=120)
+        except queue.Empty:
+            sys.exit("error: no response from the server in 120 s")
+        if error is not None:
+            sys.exit(f"error: {error}")
+        text = result.as_numpy("text_output")
+        if text is not None:
+            print(text[0][0].decode(), end="", flush=True)
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+finally:  # the stream's thread keeps the process alive until it is stopped, also when the loop raises
+    client.stop_stream(cancel_requests=True)
 print()

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <type_traits>
 
+#include "bf16_gemm.h"
 #include "quantize.h"
 #include "vec_math.h"
 
@@ -71,23 +73,37 @@ size_t element_bytes(WeightDtype dtype) {
   }
 }
 
+// The byte of a 4-bit panel in pair nibbles (kernels.h) that holds W[p * kPanel + j][i].
+inline int64_t pair_nibble_byte(int64_t i, int j) {
+  const int in_sixteen = j % 16;
+  return (i / 2) * kPanel + 16 * (j / 16) + 2 * (in_sixteen % 8) + i % 2;
+}
+
 // Dequantized W[p * kPanel + j][i] without out_scale (portable paths and embedding rows).
 float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
   const uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
   switch (m.dtype) {
     case WeightDtype::kF32:
       return load_scalar<WeightDtype::kF32>(panel, i * kPanel + j);
-    case WeightDtype::kBF16:
-      return load_scalar<WeightDtype::kBF16>(panel, i * kPanel + j);
+    case WeightDtype::kBF16:  // input pairs on a dot-product unit (kernels.h)
+      return load_scalar<WeightDtype::kBF16>(
+          panel, m.dot == DotUnit::kFloat32 ? i * kPanel + j : ((i / 2) * kPanel + j) * 2 + i % 2);
     case WeightDtype::kF16:
       return load_scalar<WeightDtype::kF16>(panel, i * kPanel + j);
-    case WeightDtype::kFP8:
-      return load_scalar<WeightDtype::kFP8>(panel, i * kPanel + j);
+    case WeightDtype::kFP8:  // value / 256 for the FMA path; in pairs and the value itself on a dot unit
+      if (m.dot == DotUnit::kFloat32) return load_scalar<WeightDtype::kFP8>(panel, i * kPanel + j);
+      return e4m3_to_float(panel[((i / 2) * kPanel + j) * 2 + i % 2]);
     default:
       break;
   }
-  const uint8_t byte = panel[i * (kPanel / 2) + j % 32];
-  const int code = j < 32 ? byte & 0xf : byte >> 4;
+  int code;
+  if (m.dot == DotUnit::kFloat32) {
+    const uint8_t byte = panel[i * (kPanel / 2) + j % 32];
+    code = j < 32 ? byte & 0xf : byte >> 4;
+  } else {  // pair nibbles
+    const uint8_t byte = panel[pair_nibble_byte(i, j)];
+    code = j % 16 < 8 ? byte & 0xf : byte >> 4;
+  }
   const int64_t groups = m.cols / m.group_size, s = (p * groups + i / m.group_size) * kPanel + j;
   if (m.dtype == WeightDtype::kNVFP4)
     return kE2m1Values[code] * load_scalar<WeightDtype::kFP8>(m.group_scales.data(), s);
@@ -322,14 +338,26 @@ size_t PackedMatrix::panel_bytes() const {
   return is_4bit(dtype) ? size_t(cols) * (kPanel / 2) : size_t(cols) * kPanel * element_bytes(dtype);
 }
 
-PackedMatrix PackedMatrix::pack(const WeightView& w) {
+PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
   PackedMatrix m;
+  m.dot = multiplies_in_bf16(w.dtype, w.cols, w.group_size, unit) ? unit : DotUnit::kFloat32;
   m.dtype = w.dtype;
   m.rows = w.rows;
   m.cols = w.cols;
   const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
   m.data.assign(size_t(panels) * m.panel_bytes(), 0);
   const uint8_t* src = static_cast<const uint8_t*>(w.values);
+  if ((w.dtype == WeightDtype::kBF16 || w.dtype == WeightDtype::kFP8) && m.dot != DotUnit::kFloat32) {  // input pairs
+    const size_t es = element_bytes(w.dtype);
+    for (int64_t o = 0; o < w.rows; ++o) {
+      const int64_t p = o / kPanel, j = o % kPanel;
+      for (int64_t i = 0; i < w.cols; ++i)
+        std::memcpy(m.data.data() + (p * w.cols * kPanel + ((i / 2) * kPanel + j) * 2 + i % 2) * es,
+                    src + (o * w.cols + i) * es, es);
+    }
+    if (w.dtype == WeightDtype::kFP8) m.out_scale = w.scale;  // widened to the value itself (bf16_gemm.cpp)
+    return m;
+  }
   if (!is_4bit(w.dtype)) {
     const size_t es = element_bytes(w.dtype);
     for (int64_t o = 0; o < w.rows; ++o) {
@@ -350,7 +378,10 @@ PackedMatrix PackedMatrix::pack(const WeightView& w) {
     uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
     for (int64_t i = 0; i < w.cols; ++i) {
       const uint8_t code = (src[o * (w.cols / 2) + i / 2] >> (4 * (i % 2))) & 0xf;
-      panel[i * (kPanel / 2) + j % 32] |= j < 32 ? code : uint8_t(code << 4);
+      if (m.dot == DotUnit::kFloat32)
+        panel[i * (kPanel / 2) + j % 32] |= j < 32 ? code : uint8_t(code << 4);
+      else
+        panel[pair_nibble_byte(i, j)] |= j % 16 < 8 ? code : uint8_t(code << 4);
     }
     for (int64_t g = 0; g < groups; ++g)
       std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes,
@@ -361,7 +392,11 @@ PackedMatrix PackedMatrix::pack(const WeightView& w) {
   return m;
 }
 
-void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y) {
+void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y,
+            float input_scale, const float* row_scales) {
+  if (w.dot != DotUnit::kFloat32) return linear_bf16(pool, x, num_rows, w, bias, input_scale, row_scales, y);
+  if (input_scale != 1.0f || row_scales)
+    throw std::invalid_argument("an input scale needs a matrix on a bf16 dot-product unit");
   const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
   // Work items are (row chunk, panel) pairs. A decode step has one row chunk; a prefill of
   // hundreds of rows also splits its rows, so that a layer with few panels (576 outputs are

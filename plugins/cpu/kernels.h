@@ -1,7 +1,9 @@
 // CPU kernels of the generic decoder. Activations are float32; weight matrices are
 // float32, bfloat16, float16, or quantized (fp8 E4M3 per tensor, nvfp4, int4 groups) and
-// are widened / dequantized to float32 inside the inner loops (never materialized). Every kernel computes each output
-// row with the same operations in the same order whatever else is in the batch (batch invariance).
+// are widened inside the inner loops (never materialized): to float32 for the FMA path, or,
+// for bf16 / fp8 / nvfp4 / int4 matrices on a CPU with bf16 dot-product units, to bf16 for
+// those units (bf16_gemm.h). Every kernel computes each output row with the same operations
+// in the same order whatever else is in the batch (batch invariance).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +14,9 @@
 namespace precast {
 
 enum class WeightDtype { kF32, kBF16, kF16, kFP8, kNVFP4, kINT4 };
+
+// What multiplies a matrix: float32 FMAs, or a bf16 dot-product unit (bf16_gemm.h).
+enum class DotUnit { kFloat32, kAvx512Bf16, kAmx };
 
 // A row-major weight as the engine stores it ([rows = out, cols = in]).
 //   kF32/kBF16/kF16  values: rows x cols elements
@@ -46,6 +51,12 @@ bool is_4bit(WeightDtype dtype);
 // j + 32 (high nibble), with the group scales in a second array [panel][group][64].
 // E4M3 bytes widen exactly through float16 bits, ((b & 0x7f) << 7) | sign, which gives
 // the value / 256; the 256 is folded into `out_scale`.
+//
+// bf16 and fp8 panels multiplied on a dot-product unit (dot != kFloat32) hold input pairs
+// instead, the layout those units read: for pair k, W[p*kPanel + j][2k], W[p*kPanel + j][2k + 1]
+// for j in 0..kPanel (256 bytes per pair in bf16, 128 in fp8). 4-bit panels there hold "pair
+// nibbles": per pair, 16 bytes for each 16 outputs 16v..16v+15, byte 2d + e holding input 2k + e
+// of output 16v + d in its low nibble and of output 16v + 8 + d in its high nibble (d < 8).
 constexpr int kPanel = 64;
 
 struct PackedMatrix {
@@ -54,17 +65,21 @@ struct PackedMatrix {
   WeightDtype dtype = WeightDtype::kF32;
   int rows = 0;
   int cols = 0;
-  int group_size = 0;      // 4-bit formats
-  float out_scale = 1.0f;  // multiplies every output (fp8 scale, nvfp4 global, x 256 for E4M3)
-  static PackedMatrix pack(const WeightView& w);
-  static PackedMatrix pack(const void* row_major, WeightDtype dtype, int rows, int cols) {
-    return pack(WeightView{dtype, rows, cols, row_major});
-  }
+  int group_size = 0;  // 4-bit formats
+  // Multiplies every output: fp8 scale / nvfp4 global (x 256 where the float32 path widens / 256).
+  float out_scale = 1.0f;
+  DotUnit dot = DotUnit::kFloat32;
+  // `dot` is the unit the matrix is multiplied on: the one asked for where the dtype and shape
+  // allow it (multiplies_in_bf16), else float32.
+  static PackedMatrix pack(const WeightView& w, DotUnit unit);
   size_t panel_bytes() const;  // bytes of one panel in `data`
 };
 
-// y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]) for r < num_rows; x is [num_rows, w.cols].
-void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y);
+// y[r, o] = input_scale * row_scales[r] * sum_i x[r, i] * w[o, i] (+ bias[o]) for r < num_rows; x is
+// [num_rows, w.cols]; row_scales may be null (1). Scales other than 1 (quantized activation codes) only for
+// matrices on a dot-product unit.
+void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y,
+            float input_scale = 1.0f, const float* row_scales = nullptr);
 
 // Row `row` of the matrix (an embedding lookup), widened to float32 into `out`.
 void matrix_row(const PackedMatrix& w, int row, float* out);

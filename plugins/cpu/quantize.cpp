@@ -50,34 +50,67 @@ uint8_t e4m3_bits(float v) {
   return sign | uint8_t((e + 7) << 3) | uint8_t(mantissa);
 }
 
-void fake_quant_fp8(const float* x, int64_t n, float scale, float* out) {
+namespace {
+// e4m3(clip(x / scale)), times `out_scale` (scale: dequantized; 1: the codes' values).
+void quantize_fp8(const float* x, int64_t n, float scale, float out_scale, float* out) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512 s = _mm512_set1_ps(scale);
+  const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(out_scale);
   for (; i + 16 <= n; i += 16) {
     const __m512 q = round_to_grid16(clamp16(_mm512_div_ps(_mm512_loadu_ps(x + i), s), kFp8Max), 3, -6);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(q, s));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(q, o));
   }
 #endif
-  for (; i < n; ++i) out[i] = round_to_e4m3(x[i] / scale) * scale;
+  for (; i < n; ++i) out[i] = round_to_e4m3(x[i] / scale) * out_scale;
 }
 
-void fake_quant_nvfp4(const float* x, int num_rows, int cols, float global_scale, float* out) {
+// Per block: e2m1(clip(x / (block_scale * global))) * block_scale, times global when `dequantize`.
+void quantize_nvfp4(const float* x, int num_rows, int cols, float global_scale, bool dequantize, float* out) {
   const float denom = kFp4Max * global_scale;
   for (int64_t b = 0; b < int64_t(num_rows) * (cols / kNvfp4Block); ++b) {
     const float* xb = x + b * kNvfp4Block;
     float* ob = out + b * kNvfp4Block;
     float amax = 0.0f;
     for (int j = 0; j < kNvfp4Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float effective = round_to_e4m3(amax / denom) * global_scale;
+    const float block_scale = round_to_e4m3(amax / denom);
+    const float effective = block_scale * global_scale;
     const float safe = effective > 0.0f ? effective : 1.0f;
+    const float out_scale = dequantize ? effective : block_scale;
 #if defined(__AVX512F__)
     const __m512 q = round_to_grid16(clamp16(_mm512_div_ps(_mm512_loadu_ps(xb), _mm512_set1_ps(safe)), kFp4Max), 1, 0);
-    _mm512_storeu_ps(ob, _mm512_mul_ps(q, _mm512_set1_ps(effective)));
+    _mm512_storeu_ps(ob, _mm512_mul_ps(q, _mm512_set1_ps(out_scale)));
 #else
-    for (int j = 0; j < kNvfp4Block; ++j) ob[j] = round_to_e2m1(xb[j] / safe) * effective;
+    for (int j = 0; j < kNvfp4Block; ++j) ob[j] = round_to_e2m1(xb[j] / safe) * out_scale;
 #endif
   }
+}
+}  // namespace
+
+void fake_quant_fp8(const float* x, int64_t n, float scale, float* out) { quantize_fp8(x, n, scale, scale, out); }
+
+void fp8_codes(const float* x, int64_t n, float scale, float* out) { quantize_fp8(x, n, scale, 1.0f, out); }
+
+void fp8_dynamic_scales(const float* x, int num_rows, int cols, float* scales) {
+  for (int r = 0; r < num_rows; ++r) {
+    const float* row = x + int64_t(r) * cols;
+    int i = 0;
+    float amax = 0.0f;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= cols; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    amax = _mm512_reduce_max_ps(m);
+#endif
+    for (; i < cols; ++i) amax = std::max(amax, std::fabs(row[i]));
+    scales[r] = amax > 0.0f ? amax / kFp8Max : 1.0f;
+  }
+}
+
+void fake_quant_nvfp4(const float* x, int num_rows, int cols, float global_scale, float* out) {
+  quantize_nvfp4(x, num_rows, cols, global_scale, true, out);
+}
+
+void nvfp4_codes(const float* x, int num_rows, int cols, float global_scale, float* out) {
+  quantize_nvfp4(x, num_rows, cols, global_scale, false, out);
 }
 
 void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, int64_t row_end, int cols,
@@ -98,6 +131,83 @@ void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, i
         const float q = std::clamp(std::nearbyint(v[size_t(j)] / safe), -8.0f, 7.0f);  // half to even, as np.rint
         dst[g + j] = q * scale / s[g + j];
       }
+    }
+  }
+}
+
+namespace {
+// Codes of a group for `scale` (as quantize_int4: rint(w / scale) clamped to [-8, 7]) and the weighted squared error of
+// their dequantization; with `refit`, the scale first moves to the one that minimises that error for these codes
+// (weighted least squares: sum(a w q) / sum(a q^2)) and the codes are taken again for it. `scale` returns the scale
+// used.
+float int4_group_error(const float* w, const float* a, int n, float& scale, bool refit) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    const __m512 lo = _mm512_set1_ps(-8.0f), hi = _mm512_set1_ps(7.0f);
+    auto codes = [&](int j, __m512 s) {
+      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(w + j), s), _MM_FROUND_TO_NEAREST_INT);
+      return _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+    };
+    if (refit) {
+      const __m512 s = _mm512_set1_ps(scale);
+      __m512 wq = _mm512_setzero_ps(), qq = _mm512_setzero_ps();
+      for (int j = 0; j < n; j += 16) {
+        const __m512 q = codes(j, s), aq = _mm512_mul_ps(_mm512_loadu_ps(a + j), q);
+        wq = _mm512_fmadd_ps(aq, _mm512_loadu_ps(w + j), wq);
+        qq = _mm512_fmadd_ps(aq, q, qq);
+      }
+      const float sum_wq = _mm512_reduce_add_ps(wq), sum_qq = _mm512_reduce_add_ps(qq);
+      if (!(sum_qq > 0.0f) || !(sum_wq > 0.0f)) return INFINITY;
+      scale = sum_wq / sum_qq;
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    __m512 err = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+      const __m512 d = _mm512_fnmadd_ps(codes(j, s), s, _mm512_loadu_ps(w + j));
+      err = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(a + j), d), d, err);
+    }
+    return _mm512_reduce_add_ps(err);
+  }
+#endif
+  if (refit) {
+    float wq = 0.0f, qq = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      const float q = std::clamp(std::nearbyint(w[j] / scale), -8.0f, 7.0f);
+      wq += a[j] * w[j] * q;
+      qq += a[j] * q * q;
+    }
+    if (!(qq > 0.0f) || !(wq > 0.0f)) return INFINITY;  // no weight on any nonzero code: keep the plain scale
+    scale = wq / qq;
+  }
+  float err = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    const float d = w[j] - std::clamp(std::nearbyint(w[j] / scale), -8.0f, 7.0f) * scale;
+    err += a[j] * d * d;
+  }
+  return err;
+}
+}  // namespace
+
+void int4_search_scales(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
+                        int group_size, float* scales) {
+  const int groups = cols / group_size;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const float* wg = w + r * cols + int64_t(g) * group_size;
+      const float* ag = importance + int64_t(g) * group_size;
+      float amax = 0.0f;
+      for (int j = 0; j < group_size; ++j) amax = std::max(amax, std::fabs(wg[j]));
+      float best = amax / 7.0f;
+      if (best > 0.0f) {
+        float best_err = int4_group_error(wg, ag, group_size, best, false);
+        for (int k = 1; k <= kInt4ScaleCandidates; ++k) {
+          // from the plain scale down to half of it in equal steps, each refit
+          float scale = amax / 7.0f * (1.0f - 0.5f * float(k) / float(kInt4ScaleCandidates));
+          const float err = int4_group_error(wg, ag, group_size, scale, true);
+          if (err < best_err) best_err = err, best = scale;
+        }
+      }
+      scales[r * groups + g] = best;
     }
   }
 }

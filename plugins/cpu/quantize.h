@@ -65,6 +65,17 @@ void fake_quant_fp8(const float* x, int64_t n, float scale, float* out);
 // * global, out = e2m1(clip(x / effective)) * effective.
 void fake_quant_nvfp4(const float* x, int num_rows, int cols, float global_scale, float* out);
 
+// The same quantizations with the per-tensor scale left out, for kernels that apply it to
+// their outputs (bf16_gemm.h): fp8 gives e4m3(clip(x / scale)); nvfp4 gives the block's
+// e2m1 value * block_scale (exact in bf16). Multiplied by `scale` / `global_scale`, each
+// equals its fake_quant_* value.
+void fp8_codes(const float* x, int64_t n, float scale, float* out);
+
+// fp8 dynamic (per-token) activation scales: scales[r] = max|x[r, :]| / 448, 1 for an all-zero row
+// (precast.engine.formats.fp8_dynamic_scales).
+void fp8_dynamic_scales(const float* x, int num_rows, int cols, float* scales);
+void nvfp4_codes(const float* x, int num_rows, int cols, float global_scale, float* out);
+
 // AWQ's search (quantization/awq.py) for rows [row_begin, row_end) of a [rows, cols] weight: the int4 round trip of
 // the input-scaled weight, unscaled again: out = dequantize(int4(w * s)) / s, groups of `group_size` columns, one
 // scale max|group| / 7 per group, round half to even, clamped to [-8, 7]. The same float32 operations as
@@ -72,5 +83,15 @@ void fake_quant_nvfp4(const float* x, int num_rows, int cols, float global_scale
 // eight (the search runs it 20 times per linear layer).
 void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, int64_t row_end, int cols,
                             int group_size, float* out);
+
+// The group scales of int4_awq's scale search (quantization/awq.py) for rows [row_begin, row_end) of a [rows, cols]
+// weight: per group, the scale minimising sum_j a_j (w_j - scale q_j)^2, q_j = clamp(rint(w_j / scale), -8, 7) as
+// precast.engine.formats.quantize_int4 rounds, a_j = importance[column] (the mean squared input of that column).
+// Candidates: the plain scale max|group| / 7 (kept on ties) and kInt4ScaleCandidates scales from it down to half of
+// it (smaller scales clip the largest values to refine the grid for the rest), each refit by weighted least squares
+// for its codes. scales is [rows, cols / group_size].
+constexpr int kInt4ScaleCandidates = 28;
+void int4_search_scales(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
+                        int group_size, float* scales);
 
 }  // namespace precast

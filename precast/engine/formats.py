@@ -121,14 +121,20 @@ def default_group_size(cols: int) -> int:
     raise ValueError(f"int4 groups need an input dimension divisible by 32, got {cols}")
 
 
-def quantize_int4(w: np.ndarray, group_size: int | None = None) -> Int4Tensor:
+def quantize_int4(w: np.ndarray, group_size: int | None = None, scales: np.ndarray | None = None) -> Int4Tensor:
+    """Codes rint(w / scale) clamped to [-8, 7]; scale = max|group| / 7 unless `scales` [rows, groups] gives them
+    (int4_awq's scale search, quantization/awq.py)."""
     w = np.asarray(w, dtype=np.float32)
     rows, cols = w.shape
     g = group_size or default_group_size(cols)
     if cols % g or cols % 2:
         raise ValueError(f"group size {g} does not divide the input dimension {cols}")
     groups = w.reshape(rows, cols // g, g)
-    scales = np.abs(groups).max(axis=2) / INT4_MAX
+    if scales is None:
+        scales = np.abs(groups).max(axis=2) / INT4_MAX
+    elif scales.shape != (rows, cols // g):
+        raise ValueError(f"int4 scales must be [{rows}, {cols // g}], got {list(scales.shape)}")
+    scales = np.asarray(scales, dtype=np.float32)
     safe = np.where(scales > 0, scales, 1.0)[:, :, None]
     q = np.clip(np.rint(groups / safe), -8, INT4_MAX).astype(np.int8).reshape(rows, cols)
     nib = (q & 0x0F).astype(np.uint8)
@@ -138,6 +144,19 @@ def quantize_int4(w: np.ndarray, group_size: int | None = None) -> Int4Tensor:
 def fake_quant_fp8_activation(x: np.ndarray, scale: float) -> np.ndarray:
     """fp8 static: e4m3(clip(x / scale)) * scale, with the calibrated per-tensor scale."""
     s = np.float32(scale)
+    q = np.clip(np.asarray(x, dtype=np.float32) / s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float32) * s
+
+
+def fp8_dynamic_scales(x: np.ndarray) -> np.ndarray:
+    """fp8 dynamic (per-token) activation scales of x [rows, cols]: max|row| / 448 in float32, 1 for an all-zero row."""
+    amax = np.abs(np.asarray(x, dtype=np.float32)).max(axis=-1, keepdims=True)
+    return np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+
+
+def fake_quant_fp8_dynamic(x: np.ndarray) -> np.ndarray:
+    """fp8 dynamic: each row on its own scale (fp8_dynamic_scales), e4m3(clip(x / scale)) * scale."""
+    s = fp8_dynamic_scales(x)
     q = np.clip(np.asarray(x, dtype=np.float32) / s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     return q.astype(np.float32) * s
 

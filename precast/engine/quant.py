@@ -36,6 +36,11 @@ from precast.engine.tensors import TensorLayout, linear_shapes
 from precast.errors import PrecastError
 
 RECIPES = ("none", "fp8", "nvfp4", "int4_awq")
+INPUT_SCALES = ("static", "dynamic")  # fp8 activations: one calibrated scale per tensor, or one per token at run time
+DYNAMIC_CPU_ONLY = (
+    "fp8 with dynamic (per-token) activation scales runs on the CPU backend only so far; the cuda backend and the "
+    "TensorRT lowering take static scales: rebuild with --activation-scales static"
+)
 ReadTensor = Callable[[str], np.ndarray]
 
 
@@ -102,30 +107,46 @@ class LayerQuant:
 
 @dataclass(frozen=True)
 class Fp8Layer(LayerQuant):
-    """E4M3 weights with one per-tensor scale; inputs quantized to E4M3 with a static calibrated scale."""
+    """E4M3 weights with one per-tensor scale; inputs quantized to E4M3 with a static calibrated scale
+    (`input_scales` "static") or with one scale per token computed at run time ("dynamic": max|row| / 448)."""
 
     format: ClassVar[str] = "fp8"
     scale_keys: ClassVar[tuple[str, ...]] = ("weight_scale", "input_scale")
     quantizes_inputs: ClassVar[bool] = True
     weight_scale: float | None = None
-    input_scale: float | None = None
+    input_scale: float | None = None  # static only
+    input_scales: str | None = None  # None: "static" (engines from before the option say nothing)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.input_scales == "dynamic"
+
+    def problems(self, layer: str, rows: int, cols: int) -> list[str]:
+        if self.input_scales is not None and self.input_scales not in INPUT_SCALES:
+            return [f"layer {layer} has unknown input_scales {self.input_scales!r} (known: {', '.join(INPUT_SCALES)})"]
+        keys = ("weight_scale",) if self.dynamic else self.scale_keys
+        return [f"layer {layer} has no valid {k} ({getattr(self, k)!r})" for k in keys if not _positive(getattr(self, k))]
 
     def tensors(self, layer: str, rows: int, cols: int) -> TensorLayout:
         return {f"{layer}.weight": ((rows, cols), "F8_E4M3")}
 
     def quantize(self, weight: np.ndarray, input_amax: float | None) -> tuple[dict[str, np.ndarray], LayerQuant]:
         q = formats.quantize_fp8(weight)
-        input_scale = formats.per_tensor_scale(input_amax or 0.0, formats.FP8_MAX)
+        input_scale = None if self.dynamic else formats.per_tensor_scale(input_amax or 0.0, formats.FP8_MAX)
         return {"weight": q.values}, dataclasses.replace(self, weight_scale=q.scale, input_scale=input_scale)
 
     def load_cpu(self, runner: Any, layer: str, read: ReadTensor, rows: int, cols: int, quantize_activations: bool) -> None:
         values = np.ascontiguousarray(read(f"{layer}.weight").view(np.uint8))
-        act = _C.ActQuant.FP8_STATIC if quantize_activations else _C.ActQuant.NONE
+        act = _C.ActQuant.NONE
+        if quantize_activations:
+            act = _C.ActQuant.FP8_DYNAMIC if self.dynamic else _C.ActQuant.FP8_STATIC
         runner.set_quantized_weight(
-            f"{layer}.weight", _C.WeightDtype.FP8, rows, cols, values, None, 0, self.weight_scale, act, self.input_scale
+            f"{layer}.weight", _C.WeightDtype.FP8, rows, cols, values, None, 0, self.weight_scale, act, self.input_scale or 1.0
         )
 
     def device_arrays(self, layer: str, read: ReadTensor) -> dict[str, Any]:
+        if self.dynamic:
+            raise PrecastError(DYNAMIC_CPU_ONLY)
         values = read(f"{layer}.weight").view(np.uint8)
         return dict(format="fp8", values=values, weight_scale=self.weight_scale, input_quant="fp8", input_scale=self.input_scale)
 
@@ -135,12 +156,14 @@ class Fp8Layer(LayerQuant):
         return lowering.ops.dequantize(stored, scale, lowering.act)
 
     def lower_input(self, lowering: Any, x: Any, layer: str) -> Any:
+        if self.dynamic:
+            raise PrecastError(DYNAMIC_CPU_ONLY)
         ops = lowering.ops
         s = lowering.const(f"{layer}.input_scale", np.float32(self.input_scale), "float32")
         return ops.dequantize(ops.quantize(x, s, "fp8"), s, lowering.act)
 
     def precision(self, act_dtype: str) -> str:
-        return "fp8 weights (per-tensor scale), fp8 inputs (static scale)"
+        return f"fp8 weights (per-tensor scale), fp8 inputs ({self.input_scales or 'static'} scale)"
 
 
 @dataclass(frozen=True)
@@ -224,12 +247,14 @@ class Nvfp4Layer(LayerQuant):
 @dataclass(frozen=True)
 class Int4Layer(LayerQuant):
     """Signed 4-bit weights packed two per byte, a float32 scale per group of inputs; inputs stay in
-    the engine dtype (weight-only, W4A16). `awq`: activation-aware scales were folded in."""
+    the engine dtype (weight-only, W4A16). `awq`: activation-aware scales were folded in; `scale_search`: the group
+    scales were searched (quantization/awq.py) instead of max|group| / 7."""
 
     format: ClassVar[str] = "int4"
     group_size: int = 0
     awq: bool | None = None
     awq_alpha: float | None = None
+    scale_search: bool | None = None
 
     @classmethod
     def plan(cls, cols: int, group_size: int | None) -> tuple[LayerQuant | None, str | None]:
@@ -253,9 +278,12 @@ class Int4Layer(LayerQuant):
             return [f"layer {layer}: group size {g} does not divide its input size {cols}"]
         return []
 
-    def quantize(self, weight: np.ndarray, input_amax: float | None) -> tuple[dict[str, np.ndarray], LayerQuant]:
-        q = formats.quantize_int4(weight, self.group_size)
-        return {"weight": q.packed, "weight_scale": q.scales}, dataclasses.replace(self, awq=bool(self.awq))
+    def quantize(
+        self, weight: np.ndarray, input_amax: float | None, group_scales: np.ndarray | None = None
+    ) -> tuple[dict[str, np.ndarray], LayerQuant]:
+        q = formats.quantize_int4(weight, self.group_size, group_scales)
+        done = dataclasses.replace(self, awq=bool(self.awq), scale_search=group_scales is not None)
+        return {"weight": q.packed, "weight_scale": q.scales}, done
 
     def load_cpu(self, runner: Any, layer: str, read: ReadTensor, rows: int, cols: int, quantize_activations: bool) -> None:
         values = np.ascontiguousarray(read(f"{layer}.weight").view(np.uint8))

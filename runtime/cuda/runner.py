@@ -26,20 +26,19 @@ from precast.engine.directory import Engine
 from precast.engine.rope import has_local_rope, rope_tables
 from precast.engine.tensors import head_name
 from precast.errors import PrecastError
+from precast.runtime.precision import check_matmul_precision
 
 NO_GPU = (
     "backend 'cuda' runs precast's Triton kernels on an NVIDIA GPU, and torch sees none here; use backend='cpu' "
     "(or set TRITON_INTERPRET=1 to run the same kernels on the CPU through Triton's interpreter: very slow, for checking)"
 )
-PRECISIONS = ("weights", "float32")
 
 
 def make_cuda_runner(engine: Engine, precision: str = "weights", cuda_graphs: bool = True) -> Any:
     """backend 'cuda'. precision: "weights" multiplies dense and int4 layers on the engine dtype's tensor cores
     (bf16 / fp16 inputs), "float32" in IEEE float32 like the CPU runner. cuda_graphs: decode steps replay
     graphs (graphs.py). Refused at once without a GPU, unless TRITON_INTERPRET=1."""
-    if precision not in PRECISIONS:
-        raise PrecastError(f"matmul precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    check_matmul_precision(precision)
     try:
         import torch
         import triton  # noqa: F401

@@ -35,15 +35,16 @@ def test_every_format_reads_and_writes_back_unchanged():
         "exclude": ["layers.1.*"],
         "layers": {
             "layers.0.attn.o": {"format": "fp8", "weight_scale": 0.1, "input_scale": 0.2},
+            "layers.0.attn.qkv": {"format": "fp8", "weight_scale": 0.1, "input_scales": "dynamic"},
             "layers.0.mlp.down": {"format": "nvfp4", "weight_global_scale": 0.3, "input_global_scale": 0.4},
-            "layers.0.attn.qkv": {"format": "int4", "group_size": 64, "awq": True, "awq_alpha": 0.5},
+            "layers.0.mlp.gate_up": {"format": "int4", "group_size": 64, "awq": True, "awq_alpha": 0.5, "scale_search": True},
         },
         "kv_cache": {"k_scales": [1.0, 2.0], "v_scales": [3.0, 4.0]},
         "calibration": {"samples": 2, "tokens": 8},
     }
     typed = QuantSection.from_dict(section, s, "fp8", "x")
     assert typed.to_dict() == section
-    assert [typed.layers[n].format for n in section["layers"]] == ["fp8", "nvfp4", "int4"]
+    assert [typed.layers[n].format for n in section["layers"]] == ["fp8", "fp8", "nvfp4", "int4"]
     assert QuantSection().to_dict() == {"recipe": "none"}
 
 

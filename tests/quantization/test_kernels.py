@@ -74,27 +74,68 @@ def _stored(fmt: str, w: np.ndarray, group: int | None = None):
     return _C.WeightDtype.INT4, qi.packed, qi.scales, qi.group_size, 1.0, qi.dequantize()
 
 
+DOT_UNITS = _C.dot_units()  # every unit this host has: float32 FMAs, and AMX / AVX512-BF16 where present
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _expected(x: np.ndarray, weight: np.ndarray, dot: str) -> np.ndarray:
+    """What a unit computes, in float64. On a bf16 unit x is rounded to bf16; the weights are exact
+    there (bf16, fp8 and nvfp4 values, int4 codes, with int4's group scales applied to group sums)."""
+    if dot == "float32":
+        return x.astype(np.float64) @ weight.T.astype(np.float64)
+    return _bf16(x) @ weight.T.astype(np.float64)
+
+
+@pytest.mark.parametrize("dot", DOT_UNITS)
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4"])
 @pytest.mark.parametrize("rows,cols,group", [(64, 64, 32), (100, 96, 32), (130, 576, 64), (7, 128, 128)])
-def test_quantized_linear_matches_dequantized_matmul(fmt, rows, cols, group):
+def test_quantized_linear_matches_dequantized_matmul(fmt, rows, cols, group, dot):
     w = (RNG.standard_normal((rows, cols)) * 0.1).astype(np.float32)
     dtype, values, scales, group_size, scale, dequantized = _stored(fmt, w, group)
-    for num_rows in (1, 2, 5, 6, 7, 13):  # every row-block size of the kernels and remainders
+    for num_rows in (1, 2, 5, 6, 7, 13, 17, 40):  # every row-block size of the kernels and remainders
         x = RNG.standard_normal((num_rows, cols)).astype(np.float32)
-        y = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, num_threads=2)
-        reference = x.astype(np.float64) @ dequantized.T.astype(np.float64)
+        y = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, num_threads=2, dot=dot)
+        reference = _expected(x, dequantized, dot)
         np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4"])
-def test_quantized_linear_is_batch_invariant(fmt):
-    w = (RNG.standard_normal((200, 128)) * 0.1).astype(np.float32)
-    dtype, values, scales, group_size, scale, _ = _stored(fmt, w, 32)
-    x = RNG.standard_normal((11, 128)).astype(np.float32)
-    together = _C.linear(x, dtype, 200, 128, values, scales, group_size, scale, num_threads=2)
-    for r in range(11):
-        alone = _C.linear(x[r : r + 1], dtype, 200, 128, values, scales, group_size, scale, num_threads=1)
-        np.testing.assert_array_equal(alone[0], together[r])
+@pytest.mark.parametrize("dot", DOT_UNITS)
+def test_bf16_linear_multiplies_bf16_values(dot):
+    rows, cols = 150, 320
+    w = RNG.standard_normal((rows, cols)).astype(ml_dtypes.bfloat16)
+    for num_rows in (1, 6, 16, 33, 200):  # one row block, several, several row chunks of 96
+        x = RNG.standard_normal((num_rows, cols)).astype(np.float32)
+        y = _C.linear(x, _C.WeightDtype.BF16, rows, cols, w.view(np.uint8), num_threads=2, dot=dot)
+        reference = _expected(x, w.astype(np.float32), dot)
+        np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("dot", DOT_UNITS)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "int4"])
+def test_linear_is_batch_invariant(fmt, dot):
+    """Each row alone, in a batch of 11, or in a prefill of 230 rows (several row blocks and
+    chunks, weights widened once per panel) comes out bit-identical."""
+    rows, cols = 200, 128
+    w = (RNG.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    if fmt == "bf16":
+        dtype, values, scales, group_size, scale = _C.WeightDtype.BF16, w.astype(ml_dtypes.bfloat16).view(np.uint8), None, 0, 1.0
+    else:
+        dtype, values, scales, group_size, scale, _ = _stored(fmt, w, 32)
+    x = RNG.standard_normal((230, cols)).astype(np.float32)
+    run = lambda rows_x, threads: _C.linear(rows_x, dtype, rows, cols, values, scales, group_size, scale, num_threads=threads, dot=dot)  # noqa: E731
+    prefill, together = run(x, 2), run(x[:11], 2)
+    np.testing.assert_array_equal(prefill[:11], together)
+    for r in (0, 5, 10, 99, 229):
+        np.testing.assert_array_equal(run(x[r : r + 1], 1)[0], prefill[r])
+
+
+def test_dot_unit_names():
+    assert _C.dot_unit() in DOT_UNITS and "float32" in DOT_UNITS
+    with pytest.raises(ValueError, match="unknown dot-product unit 'tpu'"):
+        _C.linear(np.ones((1, 64), np.float32), _C.WeightDtype.BF16, 64, 64, np.zeros(64 * 64 * 2, np.uint8), dot="tpu")
 
 
 def test_linear_rejects_wrong_sizes():

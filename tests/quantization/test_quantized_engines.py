@@ -5,6 +5,7 @@ activation quantization applied to every linear input by hooks."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 import types
@@ -13,15 +14,18 @@ import numpy as np
 import pytest
 import torch
 
+from precast import _C
 from precast.builder.build import BuildOptions, build_engine
 from precast.engine.directory import load_engine
 from precast.engine.formats import (
     Int4Tensor,
     Nvfp4Tensor,
     fake_quant_fp8_activation,
+    fake_quant_fp8_dynamic,
     fake_quant_nvfp4_activation,
     quantize_int4,
 )
+from precast.engine.quant import Fp8Layer
 from precast.engine.rope import rotary_row_order
 from precast.engine.safetensors_file import SafetensorsWriter
 from precast.engine.tensors import linear_shapes
@@ -57,12 +61,16 @@ def dequantized(engine, layer: str, entry: dict) -> np.ndarray:
     return Int4Tensor(values, scales, int(entry["group_size"])).dequantize()
 
 
-def quantize_input(x: torch.Tensor, entry: dict | None) -> torch.Tensor:
-    """x as a layer whose record is `entry` quantizes its input (fp8 static, nvfp4 dynamic; int4: unchanged)."""
+def quantize_input(x: torch.Tensor, entry: dict | None, bf16_inputs: bool = False) -> torch.Tensor:
+    """x as a layer whose record is `entry` quantizes its input (fp8 static or per token, nvfp4 dynamic); int4 and
+    unquantized layers take it as it is, or rounded to bf16 where they multiply on a bf16 dot-product unit
+    (`bf16_inputs`)."""
     if entry is None or entry["format"] == "int4":
-        return x
+        return x.to(torch.bfloat16).to(torch.float32) if bf16_inputs else x
     flat = x.detach().numpy().reshape(-1, x.shape[-1])
-    if entry["format"] == "fp8":
+    if entry["format"] == "fp8" and entry.get("input_scales") == "dynamic":
+        q = fake_quant_fp8_dynamic(flat)
+    elif entry["format"] == "fp8":
         q = fake_quant_fp8_activation(flat, entry["input_scale"])
     else:
         q = fake_quant_nvfp4_activation(flat, entry["input_global_scale"])
@@ -106,9 +114,9 @@ def quantizing_experts_forward(layers: dict, i: int, quantize):
     return forward
 
 
-def hf_twin(engine, checkpoint):
+def hf_twin(engine, checkpoint, bf16_inputs: bool = False):
     """A transformers model of the checkpoint's config holding the engine's weights (dequantized),
-    with hooks that quantize every quantized layer's input as the recipe defines."""
+    with hooks that quantize every quantized layer's input as the recipe defines (quantize_input)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # from_config, not from_pretrained (which modelopt patches once imported): every weight is replaced below.
@@ -173,17 +181,21 @@ def hf_twin(engine, checkpoint):
                     hf_state[f"{p}{part}.{what}"] = chunk
     model.load_state_dict(hf_state, strict=True)
 
+    quantize = functools.partial(quantize_input, bf16_inputs=bf16_inputs)
+
     def hook_for(entry):
         def hook(module, args):
-            return (quantize_input(args[0], entry),)
+            return (quantize(args[0], entry),)
 
         return hook
 
     for i in spec.moe_layers:
         experts = model.get_submodule(f"model.layers.{i}.mlp.experts")
-        experts.forward = types.MethodType(quantizing_experts_forward(layers, i, quantize_input), experts)
+        experts.forward = types.MethodType(quantizing_experts_forward(layers, i, quantize), experts)
+    if bf16_inputs and "lm_head" not in layers and "embed" not in layers:
+        model.lm_head.register_forward_pre_hook(hook_for(None))
     for layer, entry in layers.items():
-        if entry["format"] == "int4" or ".moe.experts." in layer:
+        if (entry["format"] == "int4" and not bf16_inputs) or ".moe.experts." in layer:
             continue
         if ".moe.shared." in layer:
             _, i, rest = layer.split(".", 2)
@@ -200,8 +212,10 @@ def hf_twin(engine, checkpoint):
     return model
 
 
-CASES = [
+CASES = [  # recipe[:fp8 activation scales]
     ("llama", "fp8", False),
+    ("qwen2", "fp8:dynamic", False),
+    ("mixtral", "fp8:dynamic", True),
     ("qwen2", "fp8", True),
     ("llama3", "nvfp4", True),
     ("qwen3", "nvfp4", False),
@@ -224,13 +238,16 @@ CASES = [
 @pytest.mark.parametrize("name,recipe,lm_head", CASES)
 def test_quantized_engine_matches_transformers_on_the_same_quantization(name, recipe, lm_head, tiny_checkpoints, tmp_path):
     out = tmp_path / "engine"
+    recipe, _, activation_scales = recipe.partition(":")
     build_engine(
         BuildOptions(
             tiny_checkpoints[name],
             out,
             max_seq_len=256,  # longrope (phi): within the original context, as transformers runs a 40-token prompt
             progress=False,
-            quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB),
+            quant=QuantOptions(
+                recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB, activation_scales=activation_scales or "static"
+            ),
         )
     )
     engine = load_engine(out)
@@ -245,6 +262,13 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
         shapes = linear_shapes(engine.config.model)
         assert all(entry["group_size"] == {32: 32, 64: 64, 96: 32, 128: 128}[shapes[layer][1]] for layer, entry in q["layers"].items())
         assert any(entry["awq"] for entry in q["layers"].values())
+        # every layer with calibration rows (not an expert no calibration token reached) has searched group scales
+        assert all(entry["scale_search"] for layer, entry in q["layers"].items() if ".moe.experts." not in layer)
+    if recipe == "fp8":
+        dynamic = activation_scales == "dynamic"
+        assert all(
+            (entry.get("input_scales") == "dynamic") == dynamic and ("input_scale" in entry) != dynamic for entry in q["layers"].values()
+        )
     runner = make_cpu_runner(engine, num_threads=2)
     ours = runner.evaluate(PROMPT, True)
     with torch.no_grad():
@@ -255,6 +279,25 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
     assert np.median(np.abs(ours - theirs)) < 1e-4 * scale
     assert np.abs(ours - theirs).max() < 5e-2 * scale
     assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("precision", ["weights", "float32"])
+def test_a_bf16_int4_engine_multiplies_at_its_matmul_precision(precision, tiny_checkpoints, tmp_path):
+    """In a bf16 engine, int4 layers and the bf16 LM head take bf16-rounded inputs on the chip's dot-product unit
+    (matmul precision "weights" where the host has one): transformers with those inputs rounded computes the same."""
+    out = tmp_path / "engine"
+    quant = QuantOptions(recipe="int4_awq", calib_tokens=CALIB)
+    build_engine(BuildOptions(tiny_checkpoints["llama"], out, dtype="bfloat16", max_seq_len=256, progress=False, quant=quant))
+    engine = load_engine(out)
+    ours = make_cpu_runner(engine, num_threads=2, matmul_precision=precision).evaluate(PROMPT, True)
+    on_unit = precision == "weights" and _C.dot_unit() != "float32"
+    with torch.no_grad():
+        theirs = hf_twin(engine, tiny_checkpoints["llama"], bf16_inputs=on_unit)(torch.tensor([PROMPT])).logits[0].numpy()
+        other = hf_twin(engine, tiny_checkpoints["llama"], bf16_inputs=not on_unit)(torch.tensor([PROMPT])).logits[0].numpy()
+    scale = np.abs(theirs).max()
+    assert np.median(np.abs(ours - theirs)) < 1e-4 * scale
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.95
+    assert np.median(np.abs(other - theirs)) > 1e-3 * scale  # the rounding shows: the check can tell the two apart
 
 
 def test_awq_folding_preserves_the_full_precision_model(tiny_checkpoints, tmp_path):
@@ -307,6 +350,38 @@ def test_awq_search_round_trip_kernel_is_bit_exact():
         np.testing.assert_array_equal(_C.int4_round_trip_scaled(w, s, 64, threads), reference)
     with pytest.raises(ValueError, match="group_size"):
         _C.int4_round_trip_scaled(w, s, 100)
+
+
+def test_group_scale_search_never_loses_to_the_plain_scale():
+    """Each group's searched scale has at most the plain scale's input-weighted error (the plain one is a candidate),
+    the codes follow the format's rounding for it, and on inputs with salient channels the layer's output error
+    drops well below round-to-nearest's."""
+    rows, cols, g = 96, 256, 64
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    w[0, :64] = 0  # an all-zero group keeps scale 0
+    w[1, :8] *= 12  # a group with outlier weights: clipping them pays
+    x = RNG.standard_normal((512, cols)).astype(np.float32)
+    x[:, 3:7] *= 20  # a few salient input channels
+    scales = awq.search_group_scales(w, x, g, num_threads=2)
+    assert scales.shape == (rows, cols // g) and scales[0, 0] == 0
+    plain = quantize_int4(w, g)
+    searched = quantize_int4(w, g, scales)
+    np.testing.assert_array_equal(searched.scales, scales)
+    codes = np.clip(np.rint(w.reshape(rows, -1, g) / np.where(scales > 0, scales, 1)[:, :, None]), -8, 7)
+    np.testing.assert_array_equal(searched.dequantize(), (codes * scales[:, :, None]).reshape(rows, cols))
+    importance = np.mean(np.square(x, dtype=np.float64), axis=0)
+
+    def group_errors(q) -> np.ndarray:
+        return ((q.dequantize() - w) ** 2 * importance).reshape(rows, -1, g).sum(-1)
+
+    assert (group_errors(searched) <= group_errors(plain) * (1 + 1e-5) + 1e-12).all()
+    assert not np.array_equal(scales, plain.scales)  # smaller scales won somewhere
+    out_err = lambda q: np.mean((x @ (q.dequantize() - w).T) ** 2)  # noqa: E731
+    assert out_err(searched) < 0.9 * out_err(plain)
+    with pytest.raises(ValueError, match="scales must be"):
+        quantize_int4(w, g, scales[:, :2])
+    with pytest.raises(ValueError, match="group_size"):
+        awq.search_group_scales(w, x, 100)
 
 
 def test_awq_search_never_loses_to_round_to_nearest():
@@ -382,15 +457,15 @@ def test_fp8_kv_cache_matches_transformers_with_quantized_k_and_v(tiny_checkpoin
     assert np.abs(ours - theirs).max() < 5e-2 * scale
 
 
-def test_quantized_engine_generates_through_the_executor(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("recipe,activation_scales", [("nvfp4", "static"), ("fp8", "dynamic")])
+def test_quantized_engine_generates_through_the_executor(recipe, activation_scales, tiny_checkpoints, tmp_path):
+    """Batched greedy decoding equals the standalone runner's, token for token: run-time activation scales (nvfp4 per
+    16 inputs, fp8 per token) depend on each row alone, whatever else is in the batch."""
     from precast import LLM, SamplingParams
 
     out = tmp_path / "engine"
-    build_engine(
-        BuildOptions(
-            tiny_checkpoints["llama"], out, progress=False, quant=QuantOptions(recipe="nvfp4", kv_cache_dtype="fp8", calib_tokens=CALIB)
-        )
-    )
+    quant = QuantOptions(recipe=recipe, kv_cache_dtype="fp8", calib_tokens=CALIB, activation_scales=activation_scales)
+    build_engine(BuildOptions(tiny_checkpoints["llama"], out, progress=False, quant=quant))
     runner = make_cpu_runner(load_engine(out))
     expected = []
     tokens = list(PROMPT)
@@ -405,6 +480,22 @@ def test_quantized_engine_generates_through_the_executor(tiny_checkpoints, tmp_p
 
 def test_bad_quantized_builds_and_engines(tiny_checkpoints, tmp_path):
     ckpt = tiny_checkpoints["llama"]
+    for options, message in [
+        (QuantOptions(recipe="int4_awq", activation_scales="dynamic"), "applies to --quant fp8 only"),
+        (QuantOptions(recipe="fp8", activation_scales="per-block"), "choose from static, dynamic"),
+        (QuantOptions(recipe="fp8", scale_search=False), "applies to --quant int4_awq only"),
+    ]:
+        with pytest.raises(PrecastError, match=message):
+            build_engine(BuildOptions(ckpt, tmp_path / "e0", progress=False, quant=options))
+    # Per-token fp8 scales run on the CPU only: a TensorRT target is refused before any work, the GPU kernels'
+    # weights too.
+    dynamic = QuantOptions(recipe="fp8", activation_scales="dynamic", calib_tokens=CALIB)
+    with pytest.raises(PrecastError, match="CPU backend only.*--activation-scales static"):
+        build_engine(BuildOptions(ckpt, tmp_path / "e0", progress=False, quant=dynamic, targets=("cpu", "tensorrt")))
+    with pytest.raises(PrecastError, match="CPU backend only"):
+        Fp8Layer(weight_scale=1.0, input_scales="dynamic").device_arrays("layers.0.attn.o", lambda name: np.zeros((4, 4), np.uint8))
+    assert Fp8Layer(weight_scale=1.0, input_scales="dynamic").problems("layers.0.attn.o", 4, 4) == []
+    assert "unknown input_scales" in Fp8Layer(weight_scale=1.0, input_scales="per-row").problems("layers.0.attn.o", 4, 4)[0]
     with pytest.raises(PrecastError, match="needs a tokenizer"):  # tiny checkpoints have none: text cannot be read
         build_engine(BuildOptions(ckpt, tmp_path / "e1", progress=False, quant=QuantOptions(recipe="fp8")))
     with pytest.raises(PrecastError, match="outside the vocabulary"):

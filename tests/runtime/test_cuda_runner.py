@@ -132,8 +132,10 @@ def test_refusals(tiny_engines, tiny_checkpoints, tmp_path, monkeypatch):
     engine = tiny_engines["llama"]
     with pytest.raises(PrecastError, match="matmul precision"):
         LLM(engine, backend="cuda", matmul_precision="tf32")
-    with pytest.raises(PrecastError, match="option of backend 'cuda'"):
-        LLM(engine, matmul_precision="float32")
+    with pytest.raises(PrecastError, match="matmul precision must be one of weights, float32"):
+        LLM(engine, matmul_precision="bfloat16")
+    with pytest.raises(PrecastError, match="option of backends 'cpu' and 'cuda'"):
+        LLM(engine, backend="tensorrt-reference", matmul_precision="float32")
     odd = tmp_path / "odd"
     build_engine(BuildOptions(tiny_checkpoints["llama"], odd, max_seq_len=256, tokens_per_block=8, progress=False))
     with pytest.raises(PrecastError, match="power of two >= 16.*--tokens-per-block 32"):

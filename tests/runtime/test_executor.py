@@ -233,3 +233,58 @@ def test_prompt_logprobs_survive_chunking_and_preemption(smollm2_bf16_engine, sm
     for prompt, ref, out in zip(prompts, reference, outs):
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs == ref.prompt_logprobs
         assert out.prompt_top_logprobs == ref.prompt_top_logprobs and out.token_ids == ref.token_ids
+
+
+_UNIT_SCRIPT = """
+import json, sys
+import numpy as np
+from precast import _C
+from precast.runtime import LLM, SamplingParams
+rng = np.random.default_rng(21)
+prompts = [rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(60, 120, 5)]
+params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+with LLM(sys.argv[1], kv_cache_memory=256 << 20, prefix_reuse=False) as llm:
+    alone = [llm.generate(p, params) for p in prompts[:2]]
+    together = llm.generate(prompts, params)
+with LLM(sys.argv[1], kv_cache_memory=256 << 20, prefix_reuse=False, max_num_tokens=16) as chunked:
+    small_steps = chunked.generate(prompts, params)
+def key(o):
+    return [o.token_ids, [lp for lp in o.logprobs]]
+print(json.dumps({
+    "unit": _C.dot_unit(),
+    "batch": [key(a) == key(t) for a, t in zip(alone, together)],
+    "chunked": [key(a) == key(b) for a, b in zip(together, small_steps)],
+}))
+"""
+
+
+@pytest.mark.parametrize("unit", __import__("precast._C", fromlist=["dot_units"]).dot_units())
+def test_every_dot_unit_keeps_batches_and_chunks_bit_identical(unit, smollm2_bf16_engine):
+    """bf16 engines multiply on the process's dot-product unit (AMX, AVX512-BF16 or float32 FMAs;
+    PRECAST_CPU_DOT picks one). On each unit this host has, a request's tokens and log-probs are the
+    same alone, in a batch, and through 16-token prefill chunks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PRECAST_CPU_DOT": unit}
+    done = subprocess.run(
+        [sys.executable, "-c", _UNIT_SCRIPT, str(smollm2_bf16_engine)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["unit"] == unit
+    assert all(result["batch"]) and all(result["chunked"]), result
+
+
+def test_an_unknown_dot_unit_is_refused_clearly(smollm2_bf16_engine):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PRECAST_CPU_DOT": "tpu"}
+    script = "import sys; from precast.runtime import LLM; LLM(sys.argv[1], kv_cache_memory=64 << 20)"
+    done = subprocess.run([sys.executable, "-c", script, str(smollm2_bf16_engine)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "unknown dot-product unit 'tpu': use auto, amx, avx512_bf16 or float32" in done.stderr

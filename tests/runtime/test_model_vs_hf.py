@@ -71,15 +71,22 @@ def test_smollm2_fp32_greedy_matches_hf(smollm2_engine, smollm2_hf_model):
 
 
 def test_smollm2_bf16_is_close(smollm2_bf16_engine, smollm2_hf_model):
-    """A bf16 engine holds bf16 weights and computes in float32: it must match HF run on
-    the same bf16-rounded weights in float32, and stay close to the fp32 model."""
+    """A bf16 engine holds bf16 weights. Where the CPU has bf16 dot-product units (AMX, AVX512-BF16;
+    plugins/cpu/bf16_gemm.h) its linear layers multiply bf16-rounded activations by them into float32,
+    as HF transformers' bf16 model does; elsewhere it computes in float32. The oracle is HF in float32 on
+    the same bf16-rounded weights: in float32, equal log-probs (2e-4); on a dot-product unit, the same 32
+    greedy tokens, first-step top-5 log-probs within 0.1 (measured <= 0.06 on AMX), and at least as close
+    to that oracle as HF's own bf16 model (measured 0.02-0.07 against its 0.09-0.21)."""
     import copy
+
+    from precast import _C
 
     rounded = copy.deepcopy(smollm2_hf_model)
     with torch.no_grad():
         for p in rounded.parameters():
             if p.dim() == 2:
                 p.copy_(p.to(torch.bfloat16).float())
+    hf_bf16 = copy.deepcopy(smollm2_hf_model).to(torch.bfloat16)
     with LLM(smollm2_bf16_engine, kv_cache_memory=1 << 30) as llm:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:2]]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=20))
@@ -87,10 +94,17 @@ def test_smollm2_bf16_is_close(smollm2_bf16_engine, smollm2_hf_model):
     for prompt, ours in zip(prompts, outs):
         want, first = hf_greedy(rounded, prompt, 32)
         assert ours.token_ids == want
-        check_first_step_logprobs(ours, first)
+        ids = [t for t, _ in ours.top_logprobs[0]]
+        our_lp = np.array([lp for _, lp in ours.top_logprobs[0]])
+        if _C.dot_unit() == "float32":
+            check_first_step_logprobs(ours, first)
+        else:
+            assert ids[0] == int(np.argmax(first))
+            assert np.abs(our_lp[:5] - first[ids[:5]]).max() < 0.1
+            _, bf16_first = hf_greedy(hf_bf16, prompt, 1)
+            assert np.abs(our_lp - first[ids]).max() <= np.abs(bf16_first[ids] - first[ids]).max()
         _, fp32_first = hf_greedy(smollm2_hf_model, prompt, 1)
-        top = [t for t, _ in ours.top_logprobs[0]][:5]
-        assert np.abs(np.array([lp for _, lp in ours.top_logprobs[0][:5]]) - fp32_first[top]).max() < 0.1
+        assert np.abs(our_lp[:5] - fp32_first[ids[:5]]).max() < 0.1
 
 
 def test_float16_engine_matches_hf_on_the_same_weights(tiny_checkpoints, tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -325,9 +326,24 @@ def test_custom_metrics_move(triton):
 
 def test_triton_example_runs(smollm2_bf16_engine, tmp_path):
     env = dict(os.environ, PRECAST_TRITON_PYTHON=triton_python(), ENGINE=str(smollm2_bf16_engine), WORKDIR=str(tmp_path))
-    r = subprocess.run(["bash", str(ROOT / "examples" / "triton" / "run.sh")], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "Berlin" in r.stdout
+    # Its own session, killed as a group on timeout: subprocess.run's timeout kills bash only and then waits for
+    # the pipes its children (tritonserver, the client) still hold.
+    script = subprocess.Popen(
+        ["bash", str(ROOT / "examples" / "triton" / "run.sh")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = script.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(script.pid, signal.SIGKILL)
+        out, err = script.communicate()
+        pytest.fail(f"examples/triton/run.sh ran past 600 s: {out[-2000:]} {err[-2000:]}")
+    assert script.returncode == 0, out[-2000:] + err[-2000:]
+    assert "Berlin" in out
 
 
 def trtllm_inputs(module, prompt: str, max_tokens: int, stream: bool, **extra):

@@ -7,6 +7,11 @@
 #define PRECAST_X86 1
 #endif
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace precast {
 namespace {
 
@@ -17,6 +22,17 @@ unsigned long long read_xcr0() {
   unsigned int eax = 0, edx = 0;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return (static_cast<unsigned long long>(edx) << 32) | eax;
+}
+
+// Linux keeps AMX's 8 KB tile state off until a process asks for it; without the grant the
+// first tile instruction faults.
+bool request_amx_state() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
 }
 #endif
 
@@ -48,6 +64,9 @@ CpuFeatures detect() {
     f.avx512_vnni = ecx & (1u << 11);
     unsigned int eax1 = 0, ebx1 = 0, ecx1 = 0, edx1 = 0;
     if (__get_cpuid_count(7, 1, &eax1, &ebx1, &ecx1, &edx1)) f.avx512_bf16 = eax1 & (1u << 5);
+    const bool amx_tile = edx & (1u << 24), amx_bf16 = edx & (1u << 22);
+    const bool os_tiles = (xcr0 & 0x60000) == 0x60000;  // XTILECFG + XTILEDATA
+    f.amx_bf16 = amx_tile && amx_bf16 && os_tiles && f.avx512_bf16 && request_amx_state();
   }
 #endif
   return f;

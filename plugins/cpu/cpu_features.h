@@ -15,6 +15,9 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512_vnni = false;
   bool avx512_bf16 = false;
+  // AMX tiles with BF16 dot products, and the OS let this process use them (Linux asks each
+  // process to request the tile state with arch_prctl before its first tile instruction).
+  bool amx_bf16 = false;
   int logical_cores = 1;
 };
 
