@@ -40,7 +40,7 @@ from precast.engine.directory import (
     write_json,
 )
 from precast.engine.limits import resolve_limits
-from precast.engine.quant import DYNAMIC_CPU_ONLY, Int4Layer, QuantSection
+from precast.engine.quant import DYNAMIC_CPU_ONLY, Int4Layer, Nvfp4Layer, QuantSection
 from precast.engine.safetensors_file import DTYPES, SafetensorsWriter
 from precast.errors import PrecastError
 from precast.quantization import quantize
@@ -202,6 +202,7 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
     plan = plan_layers(spec, q)  # shape problems are reported before any work
     needs_activations = any(p.quantizes_inputs for p in plan.values())
     needs_awq = any(isinstance(p, Int4Layer) for p in plan.values())
+    needs_rows = needs_awq or (q.scale_search and any(isinstance(p, Nvfp4Layer) for p in plan.values()))  # the searches
     sequences, source = None, ""
     if needs_activations or needs_awq or q.kv_cache_dtype == "fp8":  # read the text before building anything
         if q.calib_tokens is not None:
@@ -217,7 +218,7 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
         engine = load_engine(full.path)
         calib = None
         if sequences is not None:
-            calib = calibrate(engine, sequences, max_sample_rows=AWQ_SAMPLE_ROWS if needs_awq else 0, scratch=Path(work))
+            calib = calibrate(engine, sequences, max_sample_rows=AWQ_SAMPLE_ROWS if needs_rows else 0, scratch=Path(work))
             calib.report["source"] = source
         section = quantize.quant_section(q, plan)
         if q.kv_cache_dtype == "fp8":
@@ -239,7 +240,7 @@ def _build_quantized(opts: BuildOptions, start: float) -> BuildResult:
     return BuildResult(opts.output, config, time.perf_counter() - start, total)
 
 
-AWQ_SAMPLE_ROWS = 512  # calibration rows kept per layer for AWQ's search (bounded memory)
+AWQ_SAMPLE_ROWS = 512  # calibration rows kept per layer for the AWQ and scale searches (bounded memory)
 
 
 def _read_fused(checkpoint: Checkpoint, tensor: PlannedTensor) -> np.ndarray:

@@ -99,9 +99,9 @@ py::array_t<T> to_numpy(const std::vector<T>& v) {
 
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
-// An int4 helper's arguments: a weight w [rows, cols], one value per column (`per_column`, named `what`), and
+// A 4-bit helper's arguments: a weight w [rows, cols], one value per column (`per_column`, named `what`), and
 // groups of group_size columns.
-void check_int4_weight(const FloatArray& w, const FloatArray& per_column, int group_size, const char* what) {
+void check_4bit_weight(const FloatArray& w, const FloatArray& per_column, int group_size, const char* what) {
   if (w.ndim() != 2 || per_column.ndim() != 1 || per_column.shape(0) != w.shape(1))
     throw std::invalid_argument(std::string("w must be [rows, cols] and ") + what + " [cols]");
   if (group_size <= 0 || w.shape(1) % group_size)
@@ -482,7 +482,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "int4_round_trip_scaled",
       [](FloatArray w, FloatArray s, int group_size, int num_threads) {
-        check_int4_weight(w, s, group_size, "s");
+        check_4bit_weight(w, s, group_size, "s");
         const int cols = int(w.shape(1));
         py::array_t<float> out(w.request().shape);
         const float *wp = w.data(), *sp = s.data();
@@ -497,7 +497,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "int4_search_scales",
       [](FloatArray w, FloatArray importance, int group_size, int num_threads) {
-        check_int4_weight(w, importance, group_size, "importance");
+        check_4bit_weight(w, importance, group_size, "importance");
         const int cols = int(w.shape(1));
         py::array_t<float> out({int64_t(w.shape(0)), int64_t(cols / group_size)});
         const float *wp = w.data(), *ap = importance.data();
@@ -508,6 +508,23 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("w"), py::arg("importance"), py::arg("group_size"), py::arg("num_threads") = 1,
       "int4 group scales minimising the importance-weighted error (int4_awq's scale search; quantization/awq.py).");
+  m.def(
+      "nvfp4_search_block_scales",
+      [](FloatArray w, FloatArray importance, float global_scale, int num_threads) {
+        check_4bit_weight(w, importance, kNvfp4Block, "importance");
+        if (!(std::isfinite(global_scale) && global_scale > 0))
+          throw std::invalid_argument("global_scale must be finite and positive");
+        const int cols = int(w.shape(1));
+        py::array_t<float> out({int64_t(w.shape(0)), int64_t(cols / kNvfp4Block)});
+        const float *wp = w.data(), *ap = importance.data();
+        float* op = out.mutable_data();
+        over_rows(w.shape(0), num_threads, [&](int64_t begin, int64_t end) {
+          nvfp4_search_block_scales(wp, ap, global_scale, begin, end, cols, op);
+        });
+        return out;
+      },
+      py::arg("w"), py::arg("importance"), py::arg("global_scale"), py::arg("num_threads") = 1,
+      "nvfp4 block scales (E4M3 values) minimising the importance-weighted error (quantization/awq.py).");
   m.def(
       "fake_quant_nvfp4",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> x, float global_scale) {

@@ -336,7 +336,7 @@ def make_parser() -> argparse.ArgumentParser:
     qg.add_argument(
         "--no-scale-search",
         action="store_true",
-        help="int4_awq: each group's scale is max|group| / 7 instead of the one searched on the calibration inputs",
+        help="int4_awq / nvfp4: each group's (block's) scale comes from its largest weight instead of a search on the calibration inputs",
     )
     qg.add_argument(
         "--skip-unsupported",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from precast import _C
-from precast.engine.formats import INT4_MAX
+from precast.engine.formats import INT4_MAX, nvfp4_global_scale
 from precast.engine.spec import ModelSpec
 from precast.engine.tensors import layer_linear_kinds
 from precast.runtime.cpu_backend import default_num_threads
@@ -88,6 +88,17 @@ def search_group_scales(weight: np.ndarray, inputs: np.ndarray, group_size: int,
     importance = np.mean(np.square(x, dtype=np.float64), axis=0).astype(np.float32)
     w = np.ascontiguousarray(weight, dtype=np.float32)
     return _C.int4_search_scales(w, importance, group_size, num_threads or default_num_threads())
+
+
+def search_nvfp4_block_scales(weight: np.ndarray, inputs: np.ndarray, num_threads: int | None = None) -> np.ndarray:
+    """The same search for an nvfp4 weight [out, in]: per block of 16, the E4M3 block scale (the plain
+    e4m3(max|block| / (6 x global)), kept on ties, the 6 E4M3 values below it or the one above) that minimises the
+    error weighted by each input channel's mean squared calibration input; E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6)
+    is uneven, so a smaller scale often places a block's values better. Returns the scales' values [out, in / 16]."""
+    x = np.asarray(inputs, dtype=np.float32)
+    importance = np.mean(np.square(x, dtype=np.float64), axis=0).astype(np.float32)
+    w = np.ascontiguousarray(weight, dtype=np.float32)
+    return _C.nvfp4_search_block_scales(w, importance, nvfp4_global_scale(w), num_threads or default_num_threads())
 
 
 COARSE_STEP = 4

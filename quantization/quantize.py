@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from precast.engine.directory import WEIGHTS_FILE, Engine, numpy_dtype
 from precast.engine.formats import FP8_MAX, per_tensor_scale
-from precast.engine.quant import Int4Layer, KvCacheFp8, LayerQuant, QuantSection
+from precast.engine.quant import Int4Layer, KvCacheFp8, LayerQuant, Nvfp4Layer, QuantSection
 from precast.engine.safetensors_file import DTYPES, SafetensorsWriter
 from precast.engine.tensors import TensorLayout, is_linear_kind
 from precast.errors import PrecastError
@@ -109,12 +109,17 @@ def quantize_layer(
     scale_search: bool = False,
 ) -> tuple[dict[str, np.ndarray], LayerQuant]:
     """One layer's stored tensors by engine name, and its completed record. `weight` is as stored (AWQ's scale
-    folded in); an int4 layer with calibration rows gets searched group scales when `scale_search`."""
+    folded in); an int4 or nvfp4 layer with calibration rows gets searched group / block scales when `scale_search`."""
     amax = _input_amax(calib, name) if record.quantizes_inputs else None
     stats = calib.stats.get(name) if calib else None
-    if isinstance(record, Int4Layer) and scale_search and stats is not None and len(stats.samples):
+    searchable = isinstance(record, (Int4Layer, Nvfp4Layer)) and scale_search and stats is not None and len(stats.samples) > 0
+    if searchable:
         inputs = stats.samples if awq_scale is None else stats.samples / awq_scale.scale  # what feeds the stored weight
-        arrays, done = record.quantize(weight, amax, awq.search_group_scales(weight, inputs, record.group_size))
+        if isinstance(record, Int4Layer):
+            found = awq.search_group_scales(weight, inputs, record.group_size)
+        else:
+            found = awq.search_nvfp4_block_scales(weight, inputs)
+        arrays, done = record.quantize(weight, amax, found)  # type: ignore[call-arg]
     else:
         arrays, done = record.quantize(weight, amax)
     return {f"{name}.{suffix}": array for suffix, array in arrays.items()}, done

@@ -29,7 +29,7 @@ class QuantOptions:
     quantize_lm_head: bool = False
     exclude: tuple[str, ...] = ()
     group_size: int | None = None  # int4_awq: None = the largest of 128, 64, 32 dividing each layer's input
-    scale_search: bool = True  # int4_awq: search each group's scale (clipping) instead of max|group| / 7
+    scale_search: bool = True  # int4_awq / nvfp4: search each group's (block's) scale instead of rounding from its max
     activation_scales: str = "static"  # fp8: "static" (calibrated, per tensor) or "dynamic" (per token at run time)
     skip_unsupported: bool = False  # leave layers the format cannot take in full precision instead of failing
     calib_text: Path | None = None  # None: the text shipped with precast
@@ -54,8 +54,8 @@ class QuantOptions:
             raise PrecastError(f"--activation-scales {self.activation_scales!r}: choose from {', '.join(INPUT_SCALES)}")
         if self.activation_scales != "static" and self.recipe != "fp8":
             raise PrecastError("--activation-scales dynamic applies to --quant fp8 only (nvfp4 scales each 16 inputs at run time)")
-        if not self.scale_search and self.recipe != "int4_awq":
-            raise PrecastError("--no-scale-search applies to --quant int4_awq only")
+        if not self.scale_search and self.recipe not in ("int4_awq", "nvfp4"):
+            raise PrecastError("--no-scale-search applies to --quant int4_awq and nvfp4 only")
         if self.quantize_lm_head and self.recipe == "none":
             raise PrecastError("--quantize-lm-head needs a --quant recipe")
         if self.calib_samples < 1 or self.calib_seq_len < 2:

@@ -212,4 +212,47 @@ void int4_search_scales(const float* w, const float* importance, int64_t row_beg
   }
 }
 
+void nvfp4_search_block_scales(const float* w, const float* importance, float global_scale, int64_t row_begin,
+                               int64_t row_end, int cols, float* block_scales) {
+  const int blocks = cols / kNvfp4Block;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int b = 0; b < blocks; ++b) {
+      const float* wb = w + r * cols + int64_t(b) * kNvfp4Block;
+      const float* ab = importance + int64_t(b) * kNvfp4Block;
+      float amax = 0.0f;
+      for (int j = 0; j < kNvfp4Block; ++j) amax = std::max(amax, std::fabs(wb[j]));
+      const float plain = round_to_e4m3(amax / (kFp4Max * global_scale));
+      float best = plain;
+      if (plain > 0.0f) {
+        // The error of one block scale (a positive E4M3 code), as quantize_nvfp4 rounds: e2m1(clip(w / effective)).
+        auto error = [&](float scale) {
+          const float effective = scale * global_scale;
+#if defined(__AVX512F__)
+          const __m512 x = _mm512_loadu_ps(wb), e = _mm512_set1_ps(effective);
+          const __m512 q = round_to_grid16(clamp16(_mm512_div_ps(x, e), kFp4Max), 1, 0);
+          const __m512 d = _mm512_fnmadd_ps(q, e, x);
+          return _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(ab), d), d));
+#else
+          float err = 0.0f;
+          for (int j = 0; j < kNvfp4Block; ++j) {
+            const float d = wb[j] - round_to_e2m1(wb[j] / effective) * effective;
+            err += ab[j] * d * d;
+          }
+          return err;
+#endif
+        };
+        float best_err = error(plain);
+        const int code = e4m3_bits(plain);
+        for (int c = std::max(1, code - kNvfp4ScaleStepsDown); c <= std::min(0x7e, code + 1); ++c) {
+          const float scale = e4m3_to_float(uint8_t(c));
+          if (c == code) continue;
+          const float err = error(scale);
+          if (err < best_err) best_err = err, best = scale;
+        }
+      }
+      block_scales[r * blocks + b] = best;
+    }
+  }
+}
+
 }  // namespace precast

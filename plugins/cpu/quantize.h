@@ -94,4 +94,13 @@ constexpr int kInt4ScaleCandidates = 28;
 void int4_search_scales(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
                         int group_size, float* scales);
 
+// nvfp4's block scale search (quantization/awq.py's search_group_scales for nvfp4) for rows [row_begin, row_end)
+// of a [rows, cols] weight with its global scale: per block of 16, the E4M3 block scale minimising
+// sum_j a_j (w_j - e2m1(w_j / (scale * global)) * scale * global)^2, a_j = importance[column]. Candidates: the plain
+// scale e4m3(max|block| / (6 * global)) (kept on ties), the kNvfp4ScaleStepsDown E4M3 values below it (clipping the
+// largest values) and the one above. block_scales [rows, cols / 16] holds the chosen scales' values.
+constexpr int kNvfp4ScaleStepsDown = 6;
+void nvfp4_search_block_scales(const float* w, const float* importance, float global_scale, int64_t row_begin,
+                               int64_t row_end, int cols, float* block_scales);
+
 }  // namespace precast

@@ -79,15 +79,30 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     return out.view(ml_dtypes.float4_e2m1fn)
 
 
-def quantize_nvfp4(w: np.ndarray, amax: float | None = None) -> Nvfp4Tensor:
+def nvfp4_global_scale(w: np.ndarray) -> float:
+    """An nvfp4 weight's global scale: max|w| / (6 x 448), so that the largest block scale is E4M3's largest."""
+    return per_tensor_scale(float(np.abs(w).max()), FP4_MAX * FP8_MAX)
+
+
+def quantize_nvfp4(w: np.ndarray, amax: float | None = None, block_scales: np.ndarray | None = None) -> Nvfp4Tensor:
+    """Block scales e4m3(max|block| / (6 x global)) unless `block_scales` [rows, cols / 16] gives them (E4M3 values:
+    the nvfp4 block scale search, quantization/awq.py); codes e2m1(clip(w / (block_scale x global)))."""
     w = np.asarray(w, dtype=np.float32)
     rows, cols = w.shape
     if cols % NVFP4_BLOCK:
         raise ValueError(f"nvfp4 needs the input dimension to be a multiple of {NVFP4_BLOCK}, got {cols}")
-    global_scale = per_tensor_scale(float(np.abs(w).max()) if amax is None else amax, FP4_MAX * FP8_MAX)
+    global_scale = nvfp4_global_scale(w) if amax is None else per_tensor_scale(amax, FP4_MAX * FP8_MAX)
     blocks = w.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
-    block_amax = np.abs(blocks).max(axis=2)
-    block_scales = np.clip(block_amax / np.float32(FP4_MAX * global_scale), 0, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    if block_scales is None:
+        block_amax = np.abs(blocks).max(axis=2)
+        block_scales = np.clip(block_amax / np.float32(FP4_MAX * global_scale), 0, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    else:
+        if block_scales.shape != (rows, cols // NVFP4_BLOCK):
+            raise ValueError(f"nvfp4 block scales must be [{rows}, {cols // NVFP4_BLOCK}], got {list(block_scales.shape)}")
+        exact = np.asarray(block_scales, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn)
+        if not np.array_equal(exact.astype(np.float32), block_scales):
+            raise ValueError("nvfp4 block scales must be E4M3 values")
+        block_scales = exact
     # Divide by the scale as stored (rounded to E4M3), so dequantization inverts exactly what was done.
     effective = block_scales.astype(np.float32) * np.float32(global_scale)
     safe = np.where(effective > 0, effective, 1.0)[:, :, None]

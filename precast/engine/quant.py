@@ -169,13 +169,15 @@ class Fp8Layer(LayerQuant):
 @dataclass(frozen=True)
 class Nvfp4Layer(LayerQuant):
     """E2M1 weights packed two per byte with E4M3 scales per 16 inputs and a float32 global scale;
-    inputs quantized the same way at run time (dynamic per 16, calibrated global scale)."""
+    inputs quantized the same way at run time (dynamic per 16, calibrated global scale). `scale_search`: the
+    weight's block scales were searched (quantization/awq.py) instead of rounded from max|block|."""
 
     format: ClassVar[str] = "nvfp4"
     scale_keys: ClassVar[tuple[str, ...]] = ("weight_global_scale", "input_global_scale")
     quantizes_inputs: ClassVar[bool] = True
     weight_global_scale: float | None = None
     input_global_scale: float | None = None
+    scale_search: bool | None = None
 
     @classmethod
     def plan(cls, cols: int, group_size: int | None) -> tuple[LayerQuant | None, str | None]:
@@ -192,10 +194,13 @@ class Nvfp4Layer(LayerQuant):
             problems.append(f"layer {layer}: nvfp4 needs an input size that is a multiple of {formats.NVFP4_BLOCK}")
         return problems
 
-    def quantize(self, weight: np.ndarray, input_amax: float | None) -> tuple[dict[str, np.ndarray], LayerQuant]:
-        q = formats.quantize_nvfp4(weight)
+    def quantize(
+        self, weight: np.ndarray, input_amax: float | None, group_scales: np.ndarray | None = None
+    ) -> tuple[dict[str, np.ndarray], LayerQuant]:
+        q = formats.quantize_nvfp4(weight, block_scales=group_scales)
         input_scale = formats.per_tensor_scale(input_amax or 0.0, formats.FP4_MAX * formats.FP8_MAX)
-        record = dataclasses.replace(self, weight_global_scale=q.global_scale, input_global_scale=input_scale)
+        searched = True if group_scales is not None else None
+        record = dataclasses.replace(self, weight_global_scale=q.global_scale, input_global_scale=input_scale, scale_search=searched)
         return {"weight": q.packed, "weight_scale": q.block_scales}, record
 
     def load_cpu(self, runner: Any, layer: str, read: ReadTensor, rows: int, cols: int, quantize_activations: bool) -> None:

@@ -10,8 +10,8 @@ held-out window; docs/quantization.md has the full-calibration numbers):
             full held-out text and on chat transcripts its KL is 16-24% below static's). Same bounds.
   int4_awq  perplexity +19%, KL 0.20 (+30..34%, KL 0.27 before the group scale search): W4A16, groups of 64
             (576 inputs) and 128 (1536). Bound: +30%, KL 0.27.
-  nvfp4     perplexity +57..60%, KL 0.46: W4A4 (E2M1 weights and activations, 16-element blocks);
-            weights alone cost +27%, FP4 activations the rest. Bound: +75%, KL 0.55.
+  nvfp4     perplexity +29%, KL 0.30 (+57..60%, KL 0.46 before the block scale search): W4A4 (E2M1 weights
+            and activations, 16-element blocks). Bound: +45%, KL 0.40.
 The bounds leave room for calibration and summation-order noise, not for a change of recipe.
 """
 
@@ -28,7 +28,7 @@ BOUNDS = {  # recipe: (perplexity ratio, mean KL, top-1 agreement at least)
     "fp8": (1.05, 0.05, 0.85),
     "fp8:dynamic": (1.05, 0.05, 0.85),
     "int4_awq": (1.30, 0.27, 0.75),
-    "nvfp4": (1.75, 0.55, 0.58),
+    "nvfp4": (1.45, 0.40, 0.68),
 }
 FACTS = [
     ("What is the capital of France?", "Paris"),
@@ -76,7 +76,8 @@ CHAT_BOUNDS = {  # recipe: (mean KL, top-1 agreement at least) on the float32 mo
     "fp8": (0.12, 0.82),  # measured (Intel Xeon, AMX) KL 0.080, top-1 0.865
     "fp8:dynamic": (0.09, 0.88),  # 0.059, 0.928
     "int4_awq": (0.55, 0.62),  # 0.416, 0.688
-    "nvfp4": (0.80, 0.57),  # 0.585, 0.640
+    "nvfp4": (0.85, 0.57),  # 0.641, 0.658 (0.585, 0.640 before the block scale search; on 24 other prompts
+    # the search lowered it, 0.618 -> 0.534)
 }
 
 
@@ -137,17 +138,19 @@ def test_per_token_fp8_scales_lose_less_than_static_ones_in_chat(smollm2_quantiz
     assert kl["fp8:dynamic"] < 0.9 * kl["fp8"], kl
 
 
-def test_searched_int4_group_scales_lose_less_than_plain_ones(smollm2_gguf, smollm2_quantized_engines, smollm2_engine, tmp_path):
-    """The same build with max|group| / 7 scales: measured KL 0.27 against the search's 0.20 on this window."""
+@pytest.mark.parametrize("recipe", ["int4_awq", "nvfp4"])
+def test_searched_scales_lose_less_than_plain_ones(recipe, smollm2_gguf, smollm2_quantized_engines, smollm2_engine, tmp_path):
+    """The same build with scales from each group's largest weight: measured on this window KL 0.27 against the
+    search's 0.20 (int4_awq), 0.46 against 0.30 (nvfp4)."""
     from precast.builder.build import BuildOptions, build_engine
     from precast.quantization.recipe import QuantOptions
     from tests.conftest import SMALL_CALIBRATION
 
     plain = tmp_path / "plain"
-    quant = QuantOptions(recipe="int4_awq", scale_search=False, **SMALL_CALIBRATION)
+    quant = QuantOptions(recipe=recipe, scale_search=False, **SMALL_CALIBRATION)
     build_engine(BuildOptions(smollm2_gguf, plain, max_seq_len=2048, progress=False, quant=quant))
     windows = heldout_windows(load_engine(smollm2_engine), 512, max_windows=1)
-    searched, reference = compare(smollm2_quantized_engines["int4_awq"], smollm2_engine, windows)
+    searched, reference = compare(smollm2_quantized_engines[recipe], smollm2_engine, windows)
     rounded, _ = compare(plain, smollm2_engine, windows)
     assert searched.mean_kl < 0.85 * rounded.mean_kl, (searched, rounded)
     assert searched.perplexity < rounded.perplexity

@@ -10,6 +10,7 @@ import json
 import shutil
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -24,6 +25,7 @@ from precast.engine.formats import (
     fake_quant_fp8_dynamic,
     fake_quant_nvfp4_activation,
     quantize_int4,
+    quantize_nvfp4,
 )
 from precast.engine.quant import Fp8Layer
 from precast.engine.rope import rotary_row_order
@@ -264,6 +266,8 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
         assert any(entry["awq"] for entry in q["layers"].values())
         # every layer with calibration rows (not an expert no calibration token reached) has searched group scales
         assert all(entry["scale_search"] for layer, entry in q["layers"].items() if ".moe.experts." not in layer)
+    if recipe == "nvfp4":
+        assert all(entry["scale_search"] for layer, entry in q["layers"].items() if ".moe.experts." not in layer)
     if recipe == "fp8":
         dynamic = activation_scales == "dynamic"
         assert all(
@@ -384,6 +388,34 @@ def test_group_scale_search_never_loses_to_the_plain_scale():
         awq.search_group_scales(w, x, 100)
 
 
+def test_nvfp4_block_scale_search_never_loses_to_the_plain_scale():
+    """Each block's searched scale is an E4M3 value with at most the plain scale's input-weighted error, and the
+    weight stored with them has a clearly smaller output error on inputs with salient channels."""
+    rows, cols = 64, 128
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    w[0, :16] = 0  # an all-zero block keeps scale 0
+    x = RNG.standard_normal((512, cols)).astype(np.float32)
+    x[:, 3:7] *= 20
+    scales = awq.search_nvfp4_block_scales(w, x, num_threads=2)
+    assert scales.shape == (rows, cols // 16) and scales[0, 0] == 0
+    np.testing.assert_array_equal(scales.astype(ml_dtypes.float8_e4m3fn).astype(np.float32), scales)
+    plain, searched = quantize_nvfp4(w), quantize_nvfp4(w, block_scales=scales)
+    assert searched.global_scale == plain.global_scale
+    np.testing.assert_array_equal(searched.block_scales.astype(np.float32), scales)
+    importance = np.mean(np.square(x, dtype=np.float64), axis=0)
+
+    def block_errors(q) -> np.ndarray:
+        return ((q.dequantize() - w) ** 2 * importance).reshape(rows, -1, 16).sum(-1)
+
+    assert (block_errors(searched) <= block_errors(plain) * (1 + 1e-5) + 1e-12).all()
+    out_err = lambda q: np.mean((x @ (q.dequantize() - w).T) ** 2)  # noqa: E731
+    assert out_err(searched) < 0.9 * out_err(plain)
+    with pytest.raises(ValueError, match="E4M3 values"):
+        quantize_nvfp4(w, block_scales=scales + 0.01)
+    with pytest.raises(ValueError, match="block scales must be"):
+        quantize_nvfp4(w, block_scales=scales[:, :2])
+
+
 def test_awq_search_never_loses_to_round_to_nearest():
     w = RNG.standard_normal((64, 128)).astype(np.float32)
     x = RNG.standard_normal((256, 128)).astype(np.float32)
@@ -483,7 +515,7 @@ def test_bad_quantized_builds_and_engines(tiny_checkpoints, tmp_path):
     for options, message in [
         (QuantOptions(recipe="int4_awq", activation_scales="dynamic"), "applies to --quant fp8 only"),
         (QuantOptions(recipe="fp8", activation_scales="per-block"), "choose from static, dynamic"),
-        (QuantOptions(recipe="fp8", scale_search=False), "applies to --quant int4_awq only"),
+        (QuantOptions(recipe="fp8", scale_search=False), "applies to --quant int4_awq and nvfp4 only"),
     ]:
         with pytest.raises(PrecastError, match=message):
             build_engine(BuildOptions(ckpt, tmp_path / "e0", progress=False, quant=options))
