@@ -52,6 +52,7 @@ print(json.dumps({"seconds": r.seconds, "peak_rss_mb": peak_rss_mb(),
 VARIANTS = {
     "fp8:dynamic": {"activation_scales": "dynamic"},  # per-token activation scales instead of static per-tensor
     "int4_awq:no-search": {"scale_search": False},  # group scales max|group| / 7, as before the clipping search
+    "nvfp4:no-search": {"scale_search": False},  # block scales e4m3(max|block| / (6 x global)), as before the search
     "int4_awq:g32": {"group_size": 32},
     "int4_awq:g32-no-search": {"group_size": 32, "scale_search": False},
 }

@@ -72,7 +72,11 @@ def _quant_line(quant: dict, limits: dict) -> str:
     kv = f"KV cache {limits['kv_cache_dtype']}"
     if quant["recipe"] == "none":
         return f"none, {kv}"
-    formats = Counter(entry["format"] for entry in quant.get("layers", {}).values())
+    # fp8 layers with per-token activation scales show as "fp8 (per-token inputs)"
+    formats = Counter(
+        entry["format"] + (" (per-token inputs)" if entry.get("input_scales") == "dynamic" else "")
+        for entry in quant.get("layers", {}).values()
+    )
     parts = [
         quant["recipe"],
         ", ".join(f"{n} layers {f}" for f, n in sorted(formats.items())),

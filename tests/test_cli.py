@@ -76,6 +76,8 @@ def test_quantized_build_from_the_command_line(smollm2_gguf, tmp_path):
         str(out),
         "--quant",
         "fp8",
+        "--activation-scales",
+        "dynamic",
         "--kv-cache-dtype",
         "fp8",
         "--exclude",
@@ -91,7 +93,7 @@ def test_quantized_build_from_the_command_line(smollm2_gguf, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "quantized: fp8, 116 layers, KV cache fp8; calibration 2 x 64 tokens" in r.stdout
     r = precast("inspect", str(out))
-    assert "quant          fp8; 116 layers fp8; LM head not quantized; KV cache fp8; excluded layers.0.*" in r.stdout
+    assert "quant          fp8; 116 layers fp8 (per-token inputs); LM head not quantized; KV cache fp8; excluded layers.0.*" in r.stdout
     r = precast("run", str(out), "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12")
     assert r.returncode == 0 and "Paris" in r.stdout, r.stdout + r.stderr
 
@@ -105,6 +107,8 @@ def test_quantized_build_errors(smollm2_gguf, tmp_path):
         (["--quant", "fp8", "--calib-text", str(tmp_path / "missing.txt")], "missing.txt does not exist"),
         (["--quant", "fp8", "--calib-text", str(short)], "has 7 tokens; --calib-samples 16 x --calib-seq-len 256 needs 4096"),
         (["--quant", "nvfp4", "--exclude", "q_proj"], "--exclude q_proj matches no layer"),
+        (["--quant", "int4_awq", "--activation-scales", "dynamic"], "--activation-scales dynamic applies to --quant fp8 only"),
+        (["--quant", "fp8", "--no-scale-search"], "--no-scale-search applies to --quant int4_awq and nvfp4 only"),
     ]
     for extra, message in cases:
         r = precast("build", "--checkpoint", str(smollm2_gguf), "--output", str(tmp_path / "e"), "--quiet", *extra)
