@@ -188,71 +188,74 @@ float int4_group_error(const float* w, const float* a, int n, float& scale, bool
 }
 }  // namespace
 
-void int4_search_scales(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
-                        int group_size, float* scales) {
+namespace {
+// out[r, g] = choose(group g of row r, its importance, max |group|) for rows [row_begin, row_end) of a [rows, cols]
+// weight in groups of group_size columns: the loop both scale searches share.
+template <typename Choose>
+void for_each_group(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
+                    int group_size, float* out, Choose&& choose) {
   const int groups = cols / group_size;
   for (int64_t r = row_begin; r < row_end; ++r) {
     for (int g = 0; g < groups; ++g) {
       const float* wg = w + r * cols + int64_t(g) * group_size;
-      const float* ag = importance + int64_t(g) * group_size;
       float amax = 0.0f;
       for (int j = 0; j < group_size; ++j) amax = std::max(amax, std::fabs(wg[j]));
-      float best = amax / 7.0f;
-      if (best > 0.0f) {
-        float best_err = int4_group_error(wg, ag, group_size, best, false);
-        for (int k = 1; k <= kInt4ScaleCandidates; ++k) {
-          // from the plain scale down to half of it in equal steps, each refit
-          float scale = amax / 7.0f * (1.0f - 0.5f * float(k) / float(kInt4ScaleCandidates));
-          const float err = int4_group_error(wg, ag, group_size, scale, true);
-          if (err < best_err) best_err = err, best = scale;
-        }
-      }
-      scales[r * groups + g] = best;
+      out[r * groups + g] = choose(wg, importance + int64_t(g) * group_size, amax);
     }
   }
+}
+}  // namespace
+
+void int4_search_scales(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
+                        int group_size, float* scales) {
+  for_each_group(w, importance, row_begin, row_end, cols, group_size, scales,
+                 [&](const float* wg, const float* ag, float amax) {
+                   float best = amax / 7.0f;
+                   if (best == 0.0f) return best;
+                   float best_err = int4_group_error(wg, ag, group_size, best, false);
+                   for (int k = 1; k <= kInt4ScaleCandidates; ++k) {
+                     // from the plain scale down to half of it in equal steps, each refit
+                     float scale = amax / 7.0f * (1.0f - 0.5f * float(k) / float(kInt4ScaleCandidates));
+                     const float err = int4_group_error(wg, ag, group_size, scale, true);
+                     if (err < best_err) best_err = err, best = scale;
+                   }
+                   return best;
+                 });
 }
 
 void nvfp4_search_block_scales(const float* w, const float* importance, float global_scale, int64_t row_begin,
                                int64_t row_end, int cols, float* block_scales) {
-  const int blocks = cols / kNvfp4Block;
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    for (int b = 0; b < blocks; ++b) {
-      const float* wb = w + r * cols + int64_t(b) * kNvfp4Block;
-      const float* ab = importance + int64_t(b) * kNvfp4Block;
-      float amax = 0.0f;
-      for (int j = 0; j < kNvfp4Block; ++j) amax = std::max(amax, std::fabs(wb[j]));
-      const float plain = round_to_e4m3(amax / (kFp4Max * global_scale));
-      float best = plain;
-      if (plain > 0.0f) {
-        // The error of one block scale (a positive E4M3 code), as quantize_nvfp4 rounds: e2m1(clip(w / effective)).
-        auto error = [&](float scale) {
-          const float effective = scale * global_scale;
+  // The error of one block scale, as quantize_nvfp4 rounds: e2m1(clip(w / effective)), effective = scale * global.
+  auto error = [&](const float* wb, const float* ab, float scale) {
+    const float effective = scale * global_scale;
 #if defined(__AVX512F__)
-          const __m512 x = _mm512_loadu_ps(wb), e = _mm512_set1_ps(effective);
-          const __m512 q = round_to_grid16(clamp16(_mm512_div_ps(x, e), kFp4Max), 1, 0);
-          const __m512 d = _mm512_fnmadd_ps(q, e, x);
-          return _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(ab), d), d));
+    const __m512 x = _mm512_loadu_ps(wb), e = _mm512_set1_ps(effective);
+    const __m512 q = round_to_grid16(clamp16(_mm512_div_ps(x, e), kFp4Max), 1, 0);
+    const __m512 d = _mm512_fnmadd_ps(q, e, x);
+    return _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(ab), d), d));
 #else
-          float err = 0.0f;
-          for (int j = 0; j < kNvfp4Block; ++j) {
-            const float d = wb[j] - round_to_e2m1(wb[j] / effective) * effective;
-            err += ab[j] * d * d;
-          }
-          return err;
-#endif
-        };
-        float best_err = error(plain);
-        const int code = e4m3_bits(plain);
-        for (int c = std::max(1, code - kNvfp4ScaleStepsDown); c <= std::min(0x7e, code + 1); ++c) {
-          const float scale = e4m3_to_float(uint8_t(c));
-          if (c == code) continue;
-          const float err = error(scale);
-          if (err < best_err) best_err = err, best = scale;
-        }
-      }
-      block_scales[r * blocks + b] = best;
+    float err = 0.0f;
+    for (int j = 0; j < kNvfp4Block; ++j) {
+      const float d = wb[j] - round_to_e2m1(wb[j] / effective) * effective;
+      err += ab[j] * d * d;
     }
-  }
+    return err;
+#endif
+  };
+  for_each_group(w, importance, row_begin, row_end, cols, kNvfp4Block, block_scales,
+                 [&](const float* wb, const float* ab, float amax) {
+                   const float plain = round_to_e4m3(amax / (kFp4Max * global_scale));
+                   if (plain == 0.0f) return plain;
+                   float best = plain, best_err = error(wb, ab, plain);
+                   const int code = e4m3_bits(plain);  // positive E4M3 codes are ordered like their values
+                   for (int c = std::max(1, code - kNvfp4ScaleStepsDown); c <= std::min(0x7e, code + 1); ++c) {
+                     if (c == code) continue;
+                     const float scale = e4m3_to_float(uint8_t(c));
+                     const float err = error(wb, ab, scale);
+                     if (err < best_err) best_err = err, best = scale;
+                   }
+                   return best;
+                 });
 }
 
 }  // namespace precast
