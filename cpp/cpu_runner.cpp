@@ -256,10 +256,11 @@ void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, 
   const int cols = l.weight.cols;
   if (observer_ && !name.empty()) observer_->observe(name, x, num_rows, cols, cols);
   float input_scale = 1.0f;
+  const float* row_scales = nullptr;
   if (l.act != ActQuant::kNone) {
     quantized_input_.resize(size_t(num_rows) * cols);
     float* q = quantized_input_.data();
-    // A bf16 dot-product unit takes the codes (exact in bf16) and applies the scale to the outputs.
+    // A bf16 dot-product unit takes the codes (exact in bf16) and applies the scales to the outputs.
     const bool codes = l.weight.dot != DotUnit::kFloat32;
     if (l.act == ActQuant::kFp8Dynamic) {
       // Each row (token) on its own scale: the same whatever else is in the batch.
@@ -269,17 +270,17 @@ void CpuRunner::apply(const Linear& l, const std::string& name, const float* x, 
         const int64_t at = int64_t(r) * cols;
         (codes ? fp8_codes : fake_quant_fp8)(x + at, cols, row_scales_[size_t(r)], q + at);
       }
-      linear(pool_, q, num_rows, l.weight, bias, y, 1.0f, codes ? row_scales_.data() : nullptr);
-      return;
+      if (codes) row_scales = row_scales_.data();
+    } else {
+      if (l.act == ActQuant::kFp8Static)
+        (codes ? fp8_codes : fake_quant_fp8)(x, int64_t(num_rows) * cols, l.act_scale, q);
+      else
+        (codes ? nvfp4_codes : fake_quant_nvfp4)(x, num_rows, cols, l.act_scale, q);
+      if (codes) input_scale = l.act_scale;
     }
-    if (l.act == ActQuant::kFp8Static)
-      (codes ? fp8_codes : fake_quant_fp8)(x, int64_t(num_rows) * cols, l.act_scale, q);
-    else
-      (codes ? nvfp4_codes : fake_quant_nvfp4)(x, num_rows, cols, l.act_scale, q);
     x = q;
-    if (codes) input_scale = l.act_scale;
   }
-  linear(pool_, x, num_rows, l.weight, bias, y, input_scale);
+  linear(pool_, x, num_rows, l.weight, bias, y, input_scale, row_scales);
 }
 
 Batch CpuRunner::evaluation_batch(int num_tokens, bool sample) {

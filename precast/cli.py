@@ -328,10 +328,9 @@ def make_parser() -> argparse.ArgumentParser:
     qg.add_argument("--group-size", type=int, help="int4_awq group size (default: the largest of 128, 64, 32 dividing the layer's input)")
     qg.add_argument(
         "--activation-scales",
-        choices=["static", "dynamic"],
         default="static",
-        help="fp8 activations: one calibrated scale per tensor (static, default; every backend) or one per token "
-        "computed at run time (dynamic: less quality loss, CPU backend only)",
+        help="fp8 activations: static (default: one calibrated scale per tensor; every backend) or dynamic (one per "
+        "token computed at run time: less quality loss, CPU backend only)",
     )
     qg.add_argument(
         "--no-scale-search",

@@ -14,7 +14,8 @@ The division by s is folded into whatever produces x, so it costs nothing at run
                                                       heads one V channel feeds several o inputs)
 
 Then, with the scales folded in, each group's int4 scale is searched (search_group_scales): AWQ's weight clipping,
-done per group on the calibration inputs' per-channel energy.
+done per group on the calibration inputs' per-channel energy; nvfp4 block scales get the same search
+(search_nvfp4_block_scales).
 """
 
 from __future__ import annotations
@@ -84,10 +85,8 @@ def search_group_scales(weight: np.ndarray, inputs: np.ndarray, group_size: int,
     (_C.int4_search_scales). The weight a_j is per input channel: the full input covariance (the output error's exact
     metric, kept as 8 eigen-directions per group) measured no better on SmolLM2 and made the search six times slower.
     Returns [out, in / group_size]."""
-    x = np.asarray(inputs, dtype=np.float32)
-    importance = np.mean(np.square(x, dtype=np.float64), axis=0).astype(np.float32)
     w = np.ascontiguousarray(weight, dtype=np.float32)
-    return _C.int4_search_scales(w, importance, group_size, num_threads or default_num_threads())
+    return _C.int4_search_scales(w, _channel_importance(inputs), group_size, num_threads or default_num_threads())
 
 
 def search_nvfp4_block_scales(weight: np.ndarray, inputs: np.ndarray, num_threads: int | None = None) -> np.ndarray:
@@ -95,10 +94,13 @@ def search_nvfp4_block_scales(weight: np.ndarray, inputs: np.ndarray, num_thread
     e4m3(max|block| / (6 x global)), kept on ties, the 6 E4M3 values below it or the one above) that minimises the
     error weighted by each input channel's mean squared calibration input; E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6)
     is uneven, so a smaller scale often places a block's values better. Returns the scales' values [out, in / 16]."""
-    x = np.asarray(inputs, dtype=np.float32)
-    importance = np.mean(np.square(x, dtype=np.float64), axis=0).astype(np.float32)
     w = np.ascontiguousarray(weight, dtype=np.float32)
-    return _C.nvfp4_search_block_scales(w, importance, nvfp4_global_scale(w), num_threads or default_num_threads())
+    return _C.nvfp4_search_block_scales(w, _channel_importance(inputs), nvfp4_global_scale(w), num_threads or default_num_threads())
+
+
+def _channel_importance(inputs: np.ndarray) -> np.ndarray:
+    """The searches' weight of each input channel: its mean squared value over the calibration rows [n, in]."""
+    return np.mean(np.square(np.asarray(inputs, dtype=np.float32), dtype=np.float64), axis=0).astype(np.float32)
 
 
 COARSE_STEP = 4

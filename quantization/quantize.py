@@ -136,7 +136,7 @@ def write_quantized_weights(
     scale_search: bool = False,
 ) -> tuple[int, dict[str, LayerQuant]]:
     """Write weights.safetensors laid out as `expected`. Returns the bytes written and every layer's completed record.
-    `scale_search`: int4 group scales searched on the calibration rows (awq.search_group_scales)."""
+    `scale_search`: int4 group and nvfp4 block scales searched on the calibration rows (quantize_layer)."""
     spec = engine.config.model
     matrix_dtype = numpy_dtype(engine.config.dtype)
     layout = [(n, DTYPES[dt], shape) for n, (shape, dt) in expected.items()]

@@ -199,7 +199,7 @@ class Nvfp4Layer(LayerQuant):
     ) -> tuple[dict[str, np.ndarray], LayerQuant]:
         q = formats.quantize_nvfp4(weight, block_scales=group_scales)
         input_scale = formats.per_tensor_scale(input_amax or 0.0, formats.FP4_MAX * formats.FP8_MAX)
-        searched = True if group_scales is not None else None
+        searched = group_scales is not None
         record = dataclasses.replace(self, weight_global_scale=q.global_scale, input_global_scale=input_scale, scale_search=searched)
         return {"weight": q.packed, "weight_scale": q.block_scales}, record
 
