@@ -83,7 +83,8 @@ def search_group_scales(weight: np.ndarray, inputs: np.ndarray, group_size: int,
     as stored, so AWQ-scaled: x / s). Candidates from max|group| / 7 (the plain scale, kept on ties) down to half of it
     (clipping the largest values refines the grid for the rest), each refit by weighted least squares for its codes
     (_C.int4_search_scales). The weight a_j is per input channel: the full input covariance (the output error's exact
-    metric, kept as 8 eigen-directions per group) measured no better on SmolLM2 and made the search six times slower.
+    metric, kept as 8 eigen-directions per group) scored no better on SmolLM2 and made the search about six times slower
+    (a one-off experiment, docs/quantization.md).
     Returns [out, in / group_size]."""
     w = np.ascontiguousarray(weight, dtype=np.float32)
     return _C.int4_search_scales(w, _channel_importance(inputs), group_size, num_threads or default_num_threads())
