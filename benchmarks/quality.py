@@ -10,10 +10,15 @@ files are made from the same packaged GGUF by its own quantizer (allow_requantiz
 position are scored against the same float32 log-probabilities. The packaged GGUF is itself quantized (SmolLM2:
 Q4_1, Qwen2.5-Coder: Q4_K_M), and the float32 reference is that file dequantized: a format equal to the shipped one
 holds the reference's own weights (what it loses is llama.cpp's arithmetic) and says nothing about the format's
-quality (the table marks it).
+quality (the table marks it). The same holds for precast's asymmetric int4 with groups of 32 (int4_awq:g32): it can
+store Q4_1's and Q4_K's 32-value blocks exactly (a float32 scale and offset per block), so on these references it
+can come out near lossless by construction.
+
+--chat adds KL and top-1 agreement on chat transcripts: the float32 engine's greedy answers to 24 prompts
+(precast.quantization.quality.CHAT_PROMPTS) in its chat template, teacher-forced through each engine.
 
     python benchmarks/quality.py [--model qwen2.5-coder-1.5b-instruct] [--recipes fp8 nvfp4 int4_awq]
-        [--quantize-lm-head] [--llamacpp [Q8_0 Q4_K_M Q4_0]] [--kv-fp8] [--weights-only] [--windows N]
+        [--quantize-lm-head] [--llamacpp [Q8_0 Q4_K_M Q4_0]] [--kv-fp8] [--weights-only] [--windows N] [--chat]
 
 --weights-only adds, for fp8 and nvfp4, the same engine run with activation quantization switched off: what the
 weights alone cost (a diagnostic; the recipes always quantize activations).
@@ -51,10 +56,13 @@ print(json.dumps({"seconds": r.seconds, "peak_rss_mb": peak_rss_mb(),
 # A recipe on the command line may name a variant: RECIPE:VARIANT.
 VARIANTS = {
     "fp8:dynamic": {"activation_scales": "dynamic"},  # per-token activation scales instead of static per-tensor
-    "int4_awq:no-search": {"scale_search": False},  # group scales max|group| / 7, as before the clipping search
+    "int4_awq:no-search": {"scale_search": False},  # group scales (and offsets) from the groups' extremes
+    "int4_awq:symmetric": {"asymmetric": False},  # groups centred on zero, a scale each (no offset)
+    "int4_awq:symmetric-no-search": {"asymmetric": False, "scale_search": False},  # max|group| / 7, the first recipe
     "nvfp4:no-search": {"scale_search": False},  # block scales e4m3(max|block| / (6 x global)), as before the search
     "int4_awq:g32": {"group_size": 32},
     "int4_awq:g32-no-search": {"group_size": 32, "scale_search": False},
+    "int4_awq:g32-symmetric": {"group_size": 32, "asymmetric": False},
 }
 
 
@@ -76,8 +84,9 @@ def build(gguf: Path, out: Path, spec: str, kv: str, quantize_lm_head: bool) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def llamacpp_rows(gguf: Path, formats: list[str], windows, reference, tmp: Path, threads: int) -> list[tuple]:
-    """llama.cpp's formats made from the packaged GGUF, scored on the same windows against the same reference."""
+def llamacpp_rows(gguf: Path, formats: list[str], windows, reference, chat, tmp: Path, threads: int) -> list[tuple]:
+    """llama.cpp's formats made from the packaged GGUF, scored on the same windows against the same reference (and on
+    the chat transcripts: `chat` is (windows, reference log-probs) or None)."""
     from precast.quantization.quality import score
 
     shipped = shipped_type(gguf)
@@ -90,10 +99,11 @@ def llamacpp_rows(gguf: Path, formats: list[str], windows, reference, tmp: Path,
         ll = LlamaCpp(path, threads)  # its context holds a 512-token window, logits at every position
         try:
             q = score(ll.logits, windows, reference)
+            chat_q = score(ll.logits, *chat) if chat else None
         finally:
             ll.close()
         size = f"{path.stat().st_size / 2**20:.1f}"
-        rows.append((name, "f16", q, size, f"{seconds:.1f}", "", ""))
+        rows.append((name, "f16", q, chat_q, size, f"{seconds:.1f}", "", ""))
     return rows
 
 
@@ -108,13 +118,16 @@ def main() -> None:
     parser.add_argument("--kv-fp8", action="store_true", help="also each recipe with an fp8 KV cache, and fp32 weights with one")
     parser.add_argument("--weights-only", action="store_true", help="also fp8 / nvfp4 with activation quantization off")
     parser.add_argument("--windows", type=int, default=None, help="held-out windows (default: all)")
+    parser.add_argument(
+        "--chat", action="store_true", help="also KL and top-1 on the float32 engine's own greedy chat answers to 24 prompts"
+    )
     parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
     args = parser.parse_args()
 
     from precast.builder.build import BuildOptions, build_engine
     from precast.engine.directory import load_engine
     from precast.packaged import packaged_model_path
-    from precast.quantization.quality import compare, heldout_windows, reference_log_probs, reference_quality
+    from precast.quantization.quality import chat_windows, compare, heldout_windows, reference_log_probs, reference_quality
     from precast.runtime.cpu_backend import default_num_threads
 
     threads = args.threads or default_num_threads()
@@ -129,7 +142,7 @@ def main() -> None:
     variants = [(r, "auto") for r in args.recipes]
     if args.kv_fp8:
         variants += [("none", "fp8")] + [(r, "fp8") for r in args.recipes]
-    rows = []  # (name, KV cache, Quality, weights MiB, build s, calibration s, peak RSS MB)
+    rows = []  # (name, KV cache, Quality, chat Quality or None, weights MiB, build s, calibration s, peak RSS MB)
     with tempfile.TemporaryDirectory() as tmp:
         reference = Path(tmp) / "float32"
         build_engine(BuildOptions(gguf, reference, max_seq_len=2048, progress=False))
@@ -137,32 +150,44 @@ def main() -> None:
         ref_size = (reference / "weights.safetensors").stat().st_size
         ref_lps = reference_log_probs(reference, windows, threads)
         ref = reference_quality(windows, ref_lps)
+        chat = None
+        if args.chat:
+            transcripts = chat_windows(reference)
+            chat = (transcripts, reference_log_probs(reference, transcripts, threads))
         for recipe, kv in variants:
             out = Path(tmp) / f"{recipe.replace(':', '-')}-{kv}"
             built = build(gguf, out, recipe, kv, args.quantize_lm_head)
             ours, _ = compare(out, reference, windows, threads, reference=ref_lps)
+            ours_chat = compare(out, reference, chat[0], threads, reference=chat[1])[0] if chat else None
             size = f"{(out / 'weights.safetensors').stat().st_size / 2**20:.1f}"
             name = f"{recipe} (head too)" if args.quantize_lm_head and recipe != "none" else recipe
             calibration = f"{built['calibration'].get('seconds', 0):.1f}"
-            rows.append((name, kv, ours, size, f"{built['seconds']:.1f}", calibration, f"{built['peak_rss_mb']}"))
+            rows.append((name, kv, ours, ours_chat, size, f"{built['seconds']:.1f}", calibration, f"{built['peak_rss_mb']}"))
             if args.weights_only and recipe_variant(recipe)[0] in ("fp8", "nvfp4") and kv == "auto":
                 w, _ = compare(out, reference, windows, threads, quantize_activations=False, reference=ref_lps)
-                rows.append((f"{name} weights only (diagnostic)", kv, w, "", "", "", ""))
+                rows.append((f"{name} weights only (diagnostic)", kv, w, None, "", "", "", ""))
             shutil.rmtree(out)  # a 1.5B model's engines add up
         if args.llamacpp is not None:
-            rows += llamacpp_rows(gguf, args.llamacpp or ["Q8_0", "Q4_K_M", "Q4_0"], windows, ref_lps, Path(tmp), threads)
+            rows += llamacpp_rows(gguf, args.llamacpp or ["Q8_0", "Q4_K_M", "Q4_0"], windows, ref_lps, chat, Path(tmp), threads)
 
     print(
         f"\n{args.model} (packaged GGUF: {shipped_type(gguf)}), {cpu_name()}, {threads} threads; held-out text "
         f"{len(windows)} x 512 tokens ({ref.tokens} predictions); float32 perplexity {ref.perplexity:.3f}, "
         f"{ref_size / 2**20:.1f} MiB\n"
     )
+    if chat:
+        print(f"chat: the float32 engine's greedy answers to {len(chat[0])} prompts, {sum(len(w) - 1 for w in chat[0])} predictions\n")
+    chat_head = " chat KL | chat top-1 |" if chat else ""
     print(
-        "| recipe | KV cache | perplexity | vs float32 | mean KL (nats) | top-1 agreement | weights MiB | build s | calibration s | build peak RSS MB |"
+        "| recipe | KV cache | perplexity | vs float32 | mean KL (nats) | top-1 agreement |"
+        + chat_head
+        + " weights MiB | build s | calibration s | build peak RSS MB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, kv, q, *rest in rows:
+    print("| --- " * (10 + 2 * bool(chat)) + "|")
+    for name, kv, q, chat_q, *rest in rows:
         cells = [name, kv, f"{q.perplexity:.3f}", f"{q.perplexity / ref.perplexity:.4f}", f"{q.mean_kl:.4f}", f"{q.top1_agreement:.3f}"]
+        if chat:
+            cells += [f"{chat_q.mean_kl:.4f}", f"{chat_q.top1_agreement:.3f}"] if chat_q else ["", ""]
         print("| " + " | ".join(cells + list(rest)) + " |")
 
 

@@ -68,15 +68,21 @@ def engine_summary(engine: Engine) -> dict[str, object]:
     }
 
 
+def _layer_format(entry: dict) -> str:
+    if entry.get("input_scales") == "dynamic":
+        return f"{entry['format']} (per-token inputs)"
+    if entry["format"] == "int4":
+        return f"int4 ({'asymmetric' if entry.get('asymmetric') else 'symmetric'}, groups of {entry['group_size']})"
+    return entry["format"]
+
+
 def _quant_line(quant: dict, limits: dict) -> str:
     kv = f"KV cache {limits['kv_cache_dtype']}"
     if quant["recipe"] == "none":
         return f"none, {kv}"
-    # fp8 layers with per-token activation scales show as "fp8 (per-token inputs)"
-    formats = Counter(
-        entry["format"] + (" (per-token inputs)" if entry.get("input_scales") == "dynamic" else "")
-        for entry in quant.get("layers", {}).values()
-    )
+    # fp8 layers with per-token activation scales show as "fp8 (per-token inputs)", int4 layers with offsets as
+    # "int4 (asymmetric, groups of 128)"
+    formats = Counter(_layer_format(entry) for entry in quant.get("layers", {}).values())
     parts = [
         quant["recipe"],
         ", ".join(f"{n} layers {f}" for f, n in sorted(formats.items())),

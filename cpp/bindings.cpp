@@ -372,7 +372,7 @@ PYBIND11_MODULE(_C, m) {
           "set_quantized_weight",
           [](CpuRunner& r, const std::string& name, WeightDtype dtype, int rows, int cols,
              py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
-             float scale, ActQuant act, float act_scale) {
+             float scale, ActQuant act, float act_scale, std::optional<FloatArray> group_offsets) {
             WeightView w{dtype, rows, cols, values.data(), nullptr, group_size, scale};
             size_t scales_bytes = 0;
             if (group_scales) {
@@ -381,11 +381,15 @@ PYBIND11_MODULE(_C, m) {
               w.group_scales = group_scales->data();
               scales_bytes = size_t(group_scales->nbytes());
             }
-            r.set_quantized_weight(name, w, size_t(values.nbytes()), scales_bytes, act, act_scale);
+            if (group_offsets) w.group_offsets = group_offsets->data();
+            r.set_quantized_weight(name, w, size_t(values.nbytes()), scales_bytes,
+                                   group_offsets ? size_t(group_offsets->nbytes()) : 0, act, act_scale);
           },
           py::arg("name"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"),
           py::arg("group_scales"), py::arg("group_size"), py::arg("scale"), py::arg("act"), py::arg("act_scale"),
-          "A quantized matrix in the engine's stored layout (kernels.h, WeightView) and its input quantization.")
+          py::arg("group_offsets") = py::none(),
+          "A quantized matrix in the engine's stored layout (kernels.h, WeightView) and its input quantization; "
+          "group_offsets: asymmetric int4's float32 [rows, groups].")
       .def("finalize", &CpuRunner::finalize)
       .def(
           "evaluate",
@@ -481,18 +485,18 @@ PYBIND11_MODULE(_C, m) {
       "fp8 static activation quantization, returned dequantized (for tests).");
   m.def(
       "int4_round_trip_scaled",
-      [](FloatArray w, FloatArray s, int group_size, int num_threads) {
+      [](FloatArray w, FloatArray s, int group_size, int num_threads, bool asymmetric) {
         check_4bit_weight(w, s, group_size, "s");
         const int cols = int(w.shape(1));
         py::array_t<float> out(w.request().shape);
         const float *wp = w.data(), *sp = s.data();
         float* op = out.mutable_data();
         over_rows(w.shape(0), num_threads, [&](int64_t begin, int64_t end) {
-          int4_round_trip_scaled(wp, sp, begin, end, cols, group_size, op);
+          int4_round_trip_scaled(wp, sp, begin, end, cols, group_size, asymmetric, op);
         });
         return out;
       },
-      py::arg("w"), py::arg("s"), py::arg("group_size"), py::arg("num_threads") = 1,
+      py::arg("w"), py::arg("s"), py::arg("group_size"), py::arg("num_threads") = 1, py::arg("asymmetric") = false,
       "dequantize(int4(w * s)) / s per group of columns (AWQ's search; quantization/awq.py).");
   m.def(
       "int4_search_scales",
@@ -508,6 +512,22 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("w"), py::arg("importance"), py::arg("group_size"), py::arg("num_threads") = 1,
       "int4 group scales minimising the importance-weighted error (int4_awq's scale search; quantization/awq.py).");
+  m.def(
+      "int4_search_scales_offsets",
+      [](FloatArray w, FloatArray importance, int group_size, int num_threads) {
+        check_4bit_weight(w, importance, group_size, "importance");
+        const int cols = int(w.shape(1));
+        py::array_t<float> scales({int64_t(w.shape(0)), int64_t(cols / group_size)});
+        py::array_t<float> offsets({int64_t(w.shape(0)), int64_t(cols / group_size)});
+        const float *wp = w.data(), *ap = importance.data();
+        float *sp = scales.mutable_data(), *op = offsets.mutable_data();
+        over_rows(w.shape(0), num_threads, [&](int64_t begin, int64_t end) {
+          int4_search_scales_offsets(wp, ap, begin, end, cols, group_size, sp, op);
+        });
+        return py::make_tuple(scales, offsets);
+      },
+      py::arg("w"), py::arg("importance"), py::arg("group_size"), py::arg("num_threads") = 1,
+      "Asymmetric int4 (group scales, group offsets) minimising the importance-weighted error (quantization/awq.py).");
   m.def(
       "nvfp4_search_block_scales",
       [](FloatArray w, FloatArray importance, float global_scale, int num_threads) {
@@ -539,17 +559,20 @@ PYBIND11_MODULE(_C, m) {
       "linear",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> x, WeightDtype dtype, int rows, int cols,
          py::array_t<uint8_t, py::array::c_style> values, std::optional<py::array> group_scales, int group_size,
-         float scale, int num_threads, int repeats, const std::string& dot) {
-        WeightView w{dtype,      rows, cols, values.data(), group_scales ? group_scales->data() : nullptr,
-                     group_size, scale};
-        if (values.nbytes() != py::ssize_t(weight_values_bytes(dtype, rows, cols)))
+         float scale, int num_threads, int repeats, const std::string& dot, std::optional<FloatArray> group_offsets) {
+        WeightView w{dtype,
+                     rows,
+                     cols,
+                     values.data(),
+                     group_scales ? group_scales->data() : nullptr,
+                     group_size,
+                     scale,
+                     group_offsets ? group_offsets->data() : nullptr};
+        if (dtype != WeightDtype::kF32 && dtype != WeightDtype::kBF16 && dtype != WeightDtype::kF16)
+          check_weight_view("weight", w, size_t(values.nbytes()), group_scales ? size_t(group_scales->nbytes()) : 0,
+                            group_offsets ? size_t(group_offsets->nbytes()) : 0);
+        else if (values.nbytes() != py::ssize_t(weight_values_bytes(dtype, rows, cols)))
           throw std::invalid_argument("wrong number of value bytes");
-        if (is_4bit(dtype)) {
-          const py::ssize_t elem = dtype == WeightDtype::kNVFP4 ? 1 : 4;
-          if (group_size <= 0 || cols % group_size || !group_scales ||
-              group_scales->nbytes() != py::ssize_t(rows) * (cols / group_size) * elem)
-            throw std::invalid_argument("4-bit weights need group scales [rows, cols / group_size]");
-        }
         if (x.ndim() != 2 || x.shape(1) != cols) throw std::invalid_argument("x must be [n, cols]");
         PackedMatrix m = PackedMatrix::pack(w, parse_dot_unit(dot));
         ThreadPool pool(num_threads);
@@ -576,6 +599,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("values"),
       py::arg("group_scales") = py::none(), py::arg("group_size") = 0, py::arg("scale") = 1.0f,
       py::arg("num_threads") = 1, py::arg("repeats") = 1, py::arg("dot") = "auto",
+      py::arg("group_offsets") = py::none(),
       "y = x @ W.T for a weight in the engine's stored layout (kernel tests); repeats=-N returns (y, mean seconds of N "
       "multiplies after a warm-up, packing excluded), for benchmarks/gemm_cpu.py.");
 

@@ -122,22 +122,13 @@ void CpuRunner::set_weight(const std::string& name, const void* data, size_t nby
 }
 
 void CpuRunner::set_quantized_weight(const std::string& name, const WeightView& w, size_t values_bytes,
-                                     size_t scales_bytes, ActQuant act, float act_scale) {
+                                     size_t scales_bytes, size_t offsets_bytes, ActQuant act, float act_scale) {
   PRECAST_CHECK(!finalized_, "weights are frozen after finalize()");
   const auto [rows, cols] = expected_shape(name);
   if (rows < 0 || w.rows != rows || w.cols != cols)
     throw std::invalid_argument(name + ": shape " + std::to_string(w.rows) + "x" + std::to_string(w.cols) +
                                 " does not match the model");
-  if (w.dtype != WeightDtype::kFP8 && !is_4bit(w.dtype)) throw std::invalid_argument(name + ": not a quantized dtype");
-  if (values_bytes != weight_values_bytes(w.dtype, rows, cols))
-    throw std::invalid_argument(name + ": wrong number of value bytes");
-  if (is_4bit(w.dtype)) {
-    const int g = w.group_size;
-    if (g <= 0 || g % 2 || cols % g || (w.dtype == WeightDtype::kNVFP4 && g != kNvfp4Block))
-      throw std::invalid_argument(name + ": bad group size " + std::to_string(g));
-    const size_t want = size_t(rows) * (cols / g) * (w.dtype == WeightDtype::kNVFP4 ? 1 : 4);
-    if (scales_bytes != want) throw std::invalid_argument(name + ": wrong number of group scale bytes");
-  }
+  check_weight_view(name, w, values_bytes, scales_bytes, offsets_bytes);
   if (!(std::isfinite(w.scale) && w.scale > 0) || !(std::isfinite(act_scale) && act_scale > 0))
     throw std::invalid_argument(name + ": scales must be finite and positive");
   if (act == ActQuant::kNvfp4Dynamic && cols % kNvfp4Block)

@@ -93,7 +93,7 @@ class CpuRunner : public ModelRunner {
   void set_weight(const std::string& name, const void* data, size_t nbytes);
   // A quantized matrix (its view's rows/cols must match the model) and its input's quantization.
   void set_quantized_weight(const std::string& name, const WeightView& weight, size_t values_bytes, size_t scales_bytes,
-                            ActQuant act, float act_scale);
+                            size_t offsets_bytes, ActQuant act, float act_scale);
   // Check that every tensor the spec needs was given; call once after the last set_weight.
   void finalize();
 

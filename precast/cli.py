@@ -25,6 +25,7 @@ def _build(args: argparse.Namespace) -> None:
         exclude=tuple(args.exclude),
         group_size=args.group_size,
         scale_search=not args.no_scale_search,
+        asymmetric=not args.symmetric,
         activation_scales=args.activation_scales,
         skip_unsupported=args.skip_unsupported,
         calib_text=Path(args.calib_text) if args.calib_text else None,
@@ -336,6 +337,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--no-scale-search",
         action="store_true",
         help="int4_awq / nvfp4: each group's (block's) scale comes from its largest weight instead of a search on the calibration inputs",
+    )
+    qg.add_argument(
+        "--symmetric",
+        action="store_true",
+        help="int4_awq: groups centred on zero (a scale each) instead of asymmetric groups (a scale and an offset each: "
+        "less quality loss, 0.25 more bits per weight at groups of 128)",
     )
     qg.add_argument(
         "--skip-unsupported",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from precast import _C
-from precast.engine.formats import INT4_MAX, nvfp4_global_scale
+from precast.engine.formats import nvfp4_global_scale, quantize_int4
 from precast.engine.spec import ModelSpec
 from precast.engine.tensors import layer_linear_kinds
 from precast.runtime.cpu_backend import default_num_threads
@@ -41,8 +41,16 @@ class AwqScale:
     error_rtn: float  # output MSE without scaling (alpha = 0)
 
 
-def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, group_size: int, num_threads: int | None = None) -> AwqScale:
-    """Search of alpha on the grid k / GRID for one weight [out, in] given sample inputs [n, in].
+def search_scale(
+    weight: np.ndarray,
+    inputs: np.ndarray,
+    mean_abs: np.ndarray,
+    group_size: int,
+    num_threads: int | None = None,
+    asymmetric: bool = False,
+) -> AwqScale:
+    """Search of alpha on the grid k / GRID for one weight [out, in] given sample inputs [n, in], its int4 groups
+    symmetric or asymmetric (plain scales from the groups' extremes either way).
 
     Coarse to fine: every COARSE_STEP-th alpha first, then the neighbours of the best of those, 11 evaluations
     instead of 20. On SmolLM2's 90 AWQ layers this picks the full grid's alpha every time (the error is unimodal in
@@ -66,7 +74,8 @@ def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, g
             chunk = w[r : r + ROWS_PER_CHUNK]
             reference = x @ chunk.T
             for k in ks:
-                dequantized = _C.int4_round_trip_scaled(chunk, scales[k], group_size, num_threads)  # int4_round_trip(chunk * s) / s
+                # int4_round_trip(chunk * s) / s
+                dequantized = _C.int4_round_trip_scaled(chunk, scales[k], group_size, num_threads, asymmetric)
                 squared[k] += float(np.sum(np.square(x @ dequantized.T - reference), dtype=np.float64))
         return {k: v / (x.shape[0] * w.shape[0]) for k, v in squared.items()}
 
@@ -77,17 +86,25 @@ def search_scale(weight: np.ndarray, inputs: np.ndarray, mean_abs: np.ndarray, g
     return AwqScale(scale(best), best / GRID, errors[best], errors[0])
 
 
-def search_group_scales(weight: np.ndarray, inputs: np.ndarray, group_size: int, num_threads: int | None = None) -> np.ndarray:
-    """AWQ's weight-clipping search, after its scaling: per group of `weight` [out, in], the int4 scale that minimises
-    sum_j a_j (w_j - scale q_j)^2 with a_j = mean(x_j^2) over the calibration `inputs` [n, in] (what feeds the weight
-    as stored, so AWQ-scaled: x / s). Candidates from max|group| / 7 (the plain scale, kept on ties) down to half of it
-    (clipping the largest values refines the grid for the rest), each refit by weighted least squares for its codes
-    (_C.int4_search_scales). The weight a_j is per input channel: the full input covariance (the output error's exact
-    metric, kept as 8 eigen-directions per group) scored no better on SmolLM2 and made the search about six times slower
-    (a one-off experiment, docs/quantization.md).
-    Returns [out, in / group_size]."""
+def search_group_scales(
+    weight: np.ndarray, inputs: np.ndarray, group_size: int, asymmetric: bool = False, num_threads: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """AWQ's weight-clipping search, after its scaling: per group of `weight` [out, in], the int4 scale (and, asymmetric,
+    offset) that minimises sum_j a_j (w_j - scale q_j - offset)^2 with a_j = mean(x_j^2) over the calibration `inputs`
+    [n, in] (what feeds the weight as stored, so AWQ-scaled: x / s). Symmetric: candidates from max|group| / 7 (the
+    plain scale, kept on ties) down to half of it (clipping the largest values refines the grid for the rest), each
+    refit by weighted least squares for its codes (_C.int4_search_scales). Asymmetric: grids from the plain
+    (max - min) / 15 down to half of it, anchored at the min, the max or the middle, each refit in both parameters
+    (_C.int4_search_scales_offsets). The weight a_j is per input channel: the full input covariance (the output error's
+    exact metric, kept as 8 eigen-directions per group) scored no better on SmolLM2 and made the search about six
+    times slower (a one-off experiment, docs/quantization.md).
+    Returns scales [out, in / group_size] and offsets (None when symmetric)."""
     w = np.ascontiguousarray(weight, dtype=np.float32)
-    return _C.int4_search_scales(w, _channel_importance(inputs), group_size, num_threads or default_num_threads())
+    importance, threads = _channel_importance(inputs), num_threads or default_num_threads()
+    if asymmetric:
+        scales, offsets = _C.int4_search_scales_offsets(w, importance, group_size, threads)
+        return scales, offsets
+    return _C.int4_search_scales(w, importance, group_size, threads), None
 
 
 def search_nvfp4_block_scales(weight: np.ndarray, inputs: np.ndarray, num_threads: int | None = None) -> np.ndarray:
@@ -125,11 +142,7 @@ def fold_targets(spec: ModelSpec, layer: int) -> dict[str, str | None]:
     return targets
 
 
-def int4_round_trip(w: np.ndarray, group_size: int) -> np.ndarray:
-    """quantize_int4(w, group_size).dequantize() without packing: the definition _C.int4_round_trip_scaled follows
-    (in one pass, with the AWQ scale applied and removed; tests compare the two bit for bit)."""
-    rows, cols = w.shape
-    groups = w.reshape(rows, cols // group_size, group_size)
-    scales = np.abs(groups).max(axis=2, keepdims=True) / INT4_MAX
-    safe = np.where(scales > 0, scales, 1.0)
-    return (np.clip(np.rint(groups / safe), -8, INT4_MAX) * scales).reshape(rows, cols).astype(np.float32)
+def int4_round_trip(w: np.ndarray, group_size: int, asymmetric: bool = False) -> np.ndarray:
+    """quantize_int4(w, group_size, asymmetric=...).dequantize(): the definition _C.int4_round_trip_scaled follows (in
+    one pass, with the AWQ scale applied and removed; tests compare the two bit for bit)."""
+    return quantize_int4(w, group_size, asymmetric=asymmetric).dequantize()

@@ -1,9 +1,10 @@
-"""Quality of a quantized engine against a reference engine on held-out text.
+"""Quality of a quantized engine against a reference engine on held-out text, or on chat transcripts.
 
 Both engines run the same token windows through precast's CPU runner (CpuRunner.evaluate,
 logits at every position). Reported per engine: perplexity of the text, and against the
 reference the mean per-token KL divergence KL(reference || engine) and the share of positions
-whose top-1 token agrees.
+whose top-1 token agrees. Chat transcripts (chat_windows) are the reference model's own greedy
+answers to CHAT_PROMPTS in its chat template: what a quantized engine should predict in a chat.
 """
 
 from __future__ import annotations
@@ -20,6 +21,32 @@ from precast.errors import PrecastError
 from precast.runtime.cpu_backend import make_cpu_runner
 
 HELDOUT_TEXT = "heldout.txt"  # quantization/data/, distinct from the calibration text
+CHAT_PROMPTS = (  # short questions and tasks of the kinds small chat models are asked (the first 8 bound the tests)
+    "What is the capital of Italy?",
+    "Who wrote Romeo and Juliet?",
+    "Name three primary colors.",
+    "Write a Python function that adds two numbers.",
+    "Give me a tip for sleeping better.",
+    "What is 12 times 12?",
+    "Translate 'thank you' into Spanish.",
+    "What do bees make?",
+    "Explain what a list comprehension is in Python.",
+    "What is the boiling point of water in Celsius?",
+    "Suggest a name for a pet goldfish.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn.",
+    "How do I reverse a string in JavaScript?",
+    "What is the largest planet in our solar system?",
+    "Summarize the plot of Cinderella in two sentences.",
+    "What are the benefits of drinking water?",
+    "Convert 5 kilometers to miles.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Who painted the Mona Lisa?",
+    "Give me three ideas for a rainy afternoon.",
+    "What does HTTP stand for?",
+    "How many legs does a spider have?",
+    "Write a short thank-you note to a teacher.",
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +98,16 @@ def reference_log_probs(reference_path: str | Path, windows: list[list[int]], nu
     """Per window, the reference engine's log-probabilities of each next token ([len(window) - 1, vocab])."""
     reference = make_cpu_runner(load_engine(reference_path), num_threads)
     return [_log_softmax(reference.evaluate(w, True)[:-1].astype(np.float64)) for w in windows]
+
+
+def chat_windows(engine_path: str | Path, prompts: tuple[str, ...] = CHAT_PROMPTS, max_tokens: int = 48) -> list[list[int]]:
+    """The engine's greedy answers to `prompts` in its chat template, each as one token window (template, question,
+    answer): teacher-forced, they measure how closely another engine follows this one through a chat."""
+    from precast import LLM, SamplingParams  # the serving API, only for this
+
+    with LLM(engine_path, kv_cache_memory=256 << 20) as llm:
+        outs = [llm.chat([{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
+    return [list(o.prompt_token_ids) + list(o.token_ids) for o in outs]
 
 
 def reference_quality(windows: list[list[int]], reference: list[np.ndarray]) -> Quality:

@@ -47,7 +47,9 @@ def awq_scales(engine: Engine, plan: dict[str, LayerQuant], calib: CalibrationRe
         if stats is None or len(stats.samples) == 0:
             raise PrecastError(f"calibration recorded no inputs for {name}; cannot search its AWQ scale")
         weight = engine.weights.read(f"{name}.weight").astype(np.float32)
-        found[name] = awq.search_scale(weight, stats.samples, stats.mean_abs, plan[name].group_size)  # type: ignore[attr-defined]
+        record = plan[name]
+        assert isinstance(record, Int4Layer)
+        found[name] = awq.search_scale(weight, stats.samples, stats.mean_abs, record.group_size, asymmetric=bool(record.asymmetric))
     return found
 
 
@@ -109,17 +111,19 @@ def quantize_layer(
     scale_search: bool = False,
 ) -> tuple[dict[str, np.ndarray], LayerQuant]:
     """One layer's stored tensors by engine name, and its completed record. `weight` is as stored (AWQ's scale
-    folded in); an int4 or nvfp4 layer with calibration rows gets searched group / block scales when `scale_search`."""
+    folded in); an int4 or nvfp4 layer with calibration rows gets searched group / block scales (and asymmetric int4
+    offsets) when `scale_search`."""
     amax = _input_amax(calib, name) if record.quantizes_inputs else None
     stats = calib.stats.get(name) if calib else None
     searchable = isinstance(record, (Int4Layer, Nvfp4Layer)) and scale_search and stats is not None and len(stats.samples) > 0
     if searchable:
         inputs = stats.samples if awq_scale is None else stats.samples / awq_scale.scale  # what feeds the stored weight
         if isinstance(record, Int4Layer):
-            found = awq.search_group_scales(weight, inputs, record.group_size)
+            scales, offsets = awq.search_group_scales(weight, inputs, record.group_size, bool(record.asymmetric))
+            arrays, done = record.quantize(weight, amax, scales, offsets)
         else:
-            found = awq.search_nvfp4_block_scales(weight, inputs)
-        arrays, done = record.quantize(weight, amax, found)  # type: ignore[call-arg]
+            assert isinstance(record, Nvfp4Layer)
+            arrays, done = record.quantize(weight, amax, awq.search_nvfp4_block_scales(weight, inputs))
     else:
         arrays, done = record.quantize(weight, amax)
     return {f"{name}.{suffix}": array for suffix, array in arrays.items()}, done

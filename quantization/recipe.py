@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from precast.engine.limits import KV_CACHE_DTYPES
-from precast.engine.quant import INPUT_SCALES, RECIPE_FORMATS, RECIPES, Fp8Layer, LayerQuant
+from precast.engine.quant import INPUT_SCALES, RECIPE_FORMATS, RECIPES, Fp8Layer, Int4Layer, LayerQuant
 from precast.engine.spec import ModelSpec
 from precast.engine.tensors import head_name, linear_shapes
 from precast.errors import PrecastError
@@ -30,6 +30,7 @@ class QuantOptions:
     exclude: tuple[str, ...] = ()
     group_size: int | None = None  # int4_awq: None = the largest of 128, 64, 32 dividing each layer's input
     scale_search: bool = True  # int4_awq / nvfp4: search each group's (block's) scale instead of rounding from its max
+    asymmetric: bool = True  # int4_awq: a float32 offset per group beside its scale (False: --symmetric)
     activation_scales: str = "static"  # fp8: "static" (calibrated, per tensor) or "dynamic" (per token at run time)
     skip_unsupported: bool = False  # leave layers the format cannot take in full precision instead of failing
     calib_text: Path | None = None  # None: the text shipped with precast
@@ -54,6 +55,8 @@ class QuantOptions:
             raise PrecastError(f"--activation-scales {self.activation_scales!r}: choose from {', '.join(INPUT_SCALES)}")
         if self.activation_scales != "static" and self.recipe != "fp8":
             raise PrecastError("--activation-scales dynamic applies to --quant fp8 only (nvfp4 scales each 16 inputs at run time)")
+        if not self.asymmetric and self.recipe != "int4_awq":
+            raise PrecastError("--symmetric applies to --quant int4_awq only")
         if not self.scale_search and self.recipe not in ("int4_awq", "nvfp4"):
             raise PrecastError("--no-scale-search applies to --quant int4_awq and nvfp4 only")
         if self.quantize_lm_head and self.recipe == "none":
@@ -94,5 +97,7 @@ def plan_layers(spec: ModelSpec, options: QuantOptions) -> dict[str, LayerQuant]
             )
         if isinstance(record, Fp8Layer) and options.activation_scales == "dynamic":
             record = dataclasses.replace(record, input_scales="dynamic")
+        if isinstance(record, Int4Layer):
+            record = dataclasses.replace(record, asymmetric=options.asymmetric)
         plan[name] = record
     return plan

@@ -8,6 +8,7 @@ import numpy as np
 
 from precast import _C
 from precast.engine.directory import Engine
+from precast.engine.quant import SIDE_TENSOR_SUFFIXES
 from precast.engine.rope import has_local_rope, rope_parameters
 from precast.engine.tensors import linear_shapes
 from precast.errors import PrecastError
@@ -86,7 +87,7 @@ def make_cpu_runner(
     quantized = engine.config.quant.layers
     shapes = linear_shapes(spec)
     for name in engine.weights.tensors:
-        if name.endswith(".weight_scale") or not name.startswith(loaded):
+        if name.endswith(SIDE_TENSOR_SUFFIXES) or not name.startswith(loaded):
             continue  # a scale is read with its weight
         layer = name[: -len(".weight")]
         if layer in quantized:  # the format loads its own stored tensors

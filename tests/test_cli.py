@@ -109,6 +109,7 @@ def test_quantized_build_errors(smollm2_gguf, tmp_path):
         (["--quant", "nvfp4", "--exclude", "q_proj"], "--exclude q_proj matches no layer"),
         (["--quant", "int4_awq", "--activation-scales", "dynamic"], "--activation-scales dynamic applies to --quant fp8 only"),
         (["--quant", "fp8", "--no-scale-search"], "--no-scale-search applies to --quant int4_awq and nvfp4 only"),
+        (["--quant", "nvfp4", "--symmetric"], "--symmetric applies to --quant int4_awq only"),
     ]
     for extra, message in cases:
         r = precast("build", "--checkpoint", str(smollm2_gguf), "--output", str(tmp_path / "e"), "--quiet", *extra)

@@ -18,6 +18,15 @@
 namespace precast {
 namespace {
 
+// Float32 -> the nearest bf16 (ties to even), as a float: what the bf16 units take (bf16_gemm.cpp).
+inline float bf16_round(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = uint32_t(v) << 16;
   float f;
@@ -334,6 +343,24 @@ size_t weight_values_bytes(WeightDtype dtype, int rows, int cols) {
   return is_4bit(dtype) ? size_t(rows) * size_t(cols / 2) : size_t(rows) * size_t(cols) * element_bytes(dtype);
 }
 
+void check_weight_view(const std::string& name, const WeightView& w, size_t values_bytes, size_t scales_bytes,
+                       size_t offsets_bytes) {
+  auto fail = [&](const std::string& what) { throw std::invalid_argument(name + ": " + what); };
+  if (w.dtype != WeightDtype::kFP8 && !is_4bit(w.dtype)) fail("not a quantized dtype");
+  if (values_bytes != weight_values_bytes(w.dtype, w.rows, w.cols)) fail("wrong number of value bytes");
+  const bool offsets = w.group_offsets != nullptr;
+  if (offsets && w.dtype != WeightDtype::kINT4) fail("group offsets come with int4 weights only");
+  if (!is_4bit(w.dtype)) return;
+  const int g = w.group_size;
+  if (g <= 0 || g % 2 || w.cols % g || (w.dtype == WeightDtype::kNVFP4 && g != 16))
+    fail("bad group size " + std::to_string(g));
+  const size_t groups = size_t(w.rows) * size_t(w.cols / g);
+  if (!w.group_scales || scales_bytes != groups * (w.dtype == WeightDtype::kNVFP4 ? 1 : 4))
+    fail("4-bit weights need group scales [rows, cols / group_size]: wrong number of group scale bytes");
+  if (offsets && offsets_bytes != groups * sizeof(float))
+    fail("wrong number of group offset bytes (float32 [rows, cols / group_size])");
+}
+
 size_t PackedMatrix::panel_bytes() const {
   return is_4bit(dtype) ? size_t(cols) * (kPanel / 2) : size_t(cols) * kPanel * element_bytes(dtype);
 }
@@ -387,16 +414,58 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
       std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes,
                   scales + (o * groups + g) * scale_bytes, scale_bytes);
   }
+  if (w.group_offsets) m.group_offsets.assign(w.group_offsets, w.group_offsets + size_t(w.rows) * groups);
   // nvfp4 group scales are E4M3 read as value / 256; the global scale carries the 256.
   m.out_scale = w.dtype == WeightDtype::kNVFP4 ? w.scale * 256.0f : 1.0f;
   return m;
 }
 
-void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y,
-            float input_scale, const float* row_scales) {
-  if (w.dot != DotUnit::kFloat32) return linear_bf16(pool, x, num_rows, w, bias, input_scale, row_scales, y);
-  if (input_scale != 1.0f || row_scales)
-    throw std::invalid_argument("an input scale needs a matrix on a bf16 dot-product unit");
+namespace {
+// Asymmetric int4: y[r, o] += sum_g offset[o, g] * (sum of x[r] over group g), each row on its own in a fixed
+// order (batch invariance). Inputs are summed as the unit multiplies them: rounded to bf16 on a bf16 unit.
+void add_group_offsets(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, float* y) {
+  const int g = w.group_size, groups = w.cols / g;
+  std::vector<float> sums(size_t(num_rows) * groups);
+  const bool bf16 = w.dot != DotUnit::kFloat32;
+  auto group_sums = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int k = 0; k < groups; ++k) {
+        const float* xg = x + r * w.cols + int64_t(k) * g;
+        float lanes[16] = {0};  // 16 independent sums (vectorizable), then added in lane order
+        int j = 0;
+        for (; j + 16 <= g; j += 16)
+          for (int l = 0; l < 16; ++l) lanes[l] += bf16 ? bf16_round(xg[j + l]) : xg[j + l];
+        for (; j < g; ++j) lanes[j % 16] += bf16 ? bf16_round(xg[j]) : xg[j];
+        float sum = 0.0f;
+        for (float v : lanes) sum += v;
+        sums[size_t(r * groups + k)] = sum;
+      }
+    }
+  };
+  auto add = [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const float* s = sums.data() + r * groups;
+      for (int64_t o = begin; o < end; ++o) {
+        const float* offsets = w.group_offsets.data() + o * groups;
+        float acc = 0.0f;
+        for (int k = 0; k < groups; ++k) acc += offsets[k] * s[k];
+        y[r * w.rows + o] += acc;
+      }
+    }
+  };
+  // A decode step's few thousand multiply-adds cost less than waking the workers.
+  if (int64_t(num_rows) * w.rows * groups < (int64_t(1) << 18)) {
+    group_sums(0, num_rows);
+    add(0, w.rows);
+  } else {
+    pool.parallel_for(num_rows, group_sums);
+    pool.parallel_for(w.rows, add);
+  }
+}
+
+// The float32 FMA path of linear().
+void linear_float32(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,
+                    float* y) {
   const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
   // Work items are (row chunk, panel) pairs. A decode step has one row chunk; a prefill of
   // hundreds of rows also splits its rows, so that a layer with few panels (576 outputs are
@@ -436,10 +505,27 @@ void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& 
   });
 }
 
+}  // namespace
+
+void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y,
+            float input_scale, const float* row_scales) {
+  if (w.dot != DotUnit::kFloat32) {
+    linear_bf16(pool, x, num_rows, w, bias, input_scale, row_scales, y);
+  } else {
+    if (input_scale != 1.0f || row_scales)
+      throw std::invalid_argument("an input scale needs a matrix on a bf16 dot-product unit");
+    linear_float32(pool, x, num_rows, w, bias, y);
+  }
+  if (!w.group_offsets.empty()) add_group_offsets(pool, x, num_rows, w, y);
+}
+
 void matrix_row(const PackedMatrix& w, int row, float* out) {
   const int64_t p = row / kPanel;
   const int j = row % kPanel;
   for (int i = 0; i < w.cols; ++i) out[i] = packed_at(w, p, i, j) * w.out_scale;
+  if (!w.group_offsets.empty())
+    for (int i = 0; i < w.cols; ++i)
+      out[i] += w.group_offsets[size_t(row) * (w.cols / w.group_size) + i / w.group_size];
 }
 
 void rms_norm(const float* x, const float* weight, int num_rows, int dim, float eps, float* y) {

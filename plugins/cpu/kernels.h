@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "thread_pool.h"
@@ -25,6 +26,7 @@ enum class DotUnit { kFloat32, kAvx512Bf16, kAmx };
 //                    group_scales: rows x cols/16 E4M3 bytes; w = value * group_scale * scale
 //   kINT4            values: rows x cols/2 bytes of two's-complement nibbles (low first);
 //                    group_scales: rows x cols/group_size float32; w = value * group_scale
+//                    (+ group_offset: asymmetric groups, rows x cols/group_size float32)
 struct WeightView {
   WeightDtype dtype = WeightDtype::kF32;
   int rows = 0;
@@ -33,9 +35,13 @@ struct WeightView {
   const void* group_scales = nullptr;
   int group_size = 0;
   float scale = 1.0f;
+  const float* group_offsets = nullptr;  // int4 only; null: symmetric
 };
 size_t weight_values_bytes(WeightDtype dtype, int rows, int cols);
 bool is_4bit(WeightDtype dtype);
+// Throws std::invalid_argument, its message starting with `name`, unless the view's arrays have these sizes (bytes).
+void check_weight_view(const std::string& name, const WeightView& w, size_t values_bytes, size_t scales_bytes,
+                       size_t offsets_bytes);
 
 // A weight matrix [rows = output features, cols = input features] repacked for the
 // kernels: panels of kPanel output rows, each stored input-major,
@@ -62,6 +68,9 @@ constexpr int kPanel = 64;
 struct PackedMatrix {
   std::vector<uint8_t> data;
   std::vector<uint8_t> group_scales;  // 4-bit formats only
+  // Asymmetric int4: [rows][groups] as stored. The kernels multiply the codes; linear() then adds
+  // sum over groups of offset x (the group's sum of inputs), the offsets' share of x . w.
+  std::vector<float> group_offsets;
   WeightDtype dtype = WeightDtype::kF32;
   int rows = 0;
   int cols = 0;

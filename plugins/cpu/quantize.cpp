@@ -113,23 +113,30 @@ void nvfp4_codes(const float* x, int num_rows, int cols, float global_scale, flo
   quantize_nvfp4(x, num_rows, cols, global_scale, false, out);
 }
 
-void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, int64_t row_end, int cols,
-                            int group_size, float* out) {
+// No fused multiply-adds here: the round trip must match numpy's separately rounded q * scale + offset bit for bit.
+__attribute__((optimize("fp-contract=off"))) void int4_round_trip_scaled(const float* w, const float* s,
+                                                                         int64_t row_begin, int64_t row_end, int cols,
+                                                                         int group_size, bool asymmetric, float* out) {
   std::vector<float> v(static_cast<size_t>(group_size));
   for (int64_t r = row_begin; r < row_end; ++r) {
     const float* row = w + r * cols;
     float* dst = out + r * cols;
     for (int g = 0; g < cols; g += group_size) {
-      float amax = 0.0f;
+      float amax = 0.0f, low = INFINITY, high = -INFINITY;
       for (int j = 0; j < group_size; ++j) {
         v[size_t(j)] = row[g + j] * s[g + j];
         amax = std::max(amax, std::fabs(v[size_t(j)]));
+        low = std::min(low, v[size_t(j)]);
+        high = std::max(high, v[size_t(j)]);
       }
-      const float scale = amax / 7.0f;
+      const float scale = asymmetric ? (high - low) / 15.0f : amax / 7.0f;
+      const float offset = asymmetric ? low + 8.0f * scale : 0.0f;
       const float safe = scale > 0.0f ? scale : 1.0f;
       for (int j = 0; j < group_size; ++j) {
-        const float q = std::clamp(std::nearbyint(v[size_t(j)] / safe), -8.0f, 7.0f);  // half to even, as np.rint
-        dst[g + j] = q * scale / s[g + j];
+        const float centred = asymmetric ? v[size_t(j)] - offset : v[size_t(j)];
+        const float q = std::clamp(std::nearbyint(centred / safe), -8.0f, 7.0f);  // half to even, as np.rint
+        const float value = asymmetric ? q * scale + offset : q * scale;
+        dst[g + j] = value / s[g + j];
       }
     }
   }
@@ -221,6 +228,105 @@ void int4_search_scales(const float* w, const float* importance, int64_t row_beg
                    }
                    return best;
                  });
+}
+
+namespace {
+// Asymmetric codes clamp(rint((w - offset) / scale), -8, 7) of a group and the weighted squared error of their
+// dequantization scale q + offset; with `refit`, (scale, offset) first move to the weighted least-squares fit for these
+// codes and the codes are taken again for it. Returns INFINITY where the fit is degenerate (one code, no weight).
+float int4_group_error_asym(const float* w, const float* a, int n, float& scale, float& offset, bool refit) {
+  auto code = [](float x, float s, float m) { return std::clamp(std::nearbyint((x - m) / s), -8.0f, 7.0f); };
+  if (refit) {
+    // Normal equations of min sum a (w - s q - m)^2: [Sqq Sq; Sq S1] [s; m] = [Swq; Sw].
+    double s1 = 0, sq = 0, sqq = 0, sw = 0, swq = 0;
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+      const __m512 lo = _mm512_set1_ps(-8.0f), hi = _mm512_set1_ps(7.0f), vs = _mm512_set1_ps(scale),
+                   vm = _mm512_set1_ps(offset);
+      __m512 a1 = _mm512_setzero_ps(), aq = _mm512_setzero_ps(), aqq = _mm512_setzero_ps(), aw = _mm512_setzero_ps(),
+             awq = _mm512_setzero_ps();
+      for (int j = 0; j < n; j += 16) {
+        const __m512 x = _mm512_loadu_ps(w + j), wt = _mm512_loadu_ps(a + j);
+        const __m512 q = _mm512_min_ps(
+            _mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(x, vm), vs), _MM_FROUND_TO_NEAREST_INT), lo),
+            hi);
+        const __m512 wq = _mm512_mul_ps(wt, q);
+        a1 = _mm512_add_ps(a1, wt);
+        aq = _mm512_add_ps(aq, wq);
+        aqq = _mm512_fmadd_ps(wq, q, aqq);
+        aw = _mm512_fmadd_ps(wt, x, aw);
+        awq = _mm512_fmadd_ps(wq, x, awq);
+      }
+      s1 = _mm512_reduce_add_ps(a1), sq = _mm512_reduce_add_ps(aq), sqq = _mm512_reduce_add_ps(aqq);
+      sw = _mm512_reduce_add_ps(aw), swq = _mm512_reduce_add_ps(awq);
+    } else
+#endif
+    {
+      for (int j = 0; j < n; ++j) {
+        const double q = code(w[j], scale, offset);
+        s1 += a[j], sq += a[j] * q, sqq += a[j] * q * q, sw += a[j] * w[j], swq += a[j] * q * w[j];
+      }
+    }
+    const double det = sqq * s1 - sq * sq;
+    if (!(det > 1e-12 * sqq * s1)) return INFINITY;
+    const double s = (s1 * swq - sq * sw) / det, m = (sqq * sw - sq * swq) / det;
+    if (!(s > 0) || !std::isfinite(m)) return INFINITY;
+    scale = float(s), offset = float(m);
+  }
+  float err = 0.0f;
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    const __m512 lo = _mm512_set1_ps(-8.0f), hi = _mm512_set1_ps(7.0f), vs = _mm512_set1_ps(scale),
+                 vm = _mm512_set1_ps(offset);
+    __m512 acc = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+      const __m512 x = _mm512_loadu_ps(w + j);
+      const __m512 q = _mm512_min_ps(
+          _mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(x, vm), vs), _MM_FROUND_TO_NEAREST_INT), lo),
+          hi);
+      const __m512 d = _mm512_sub_ps(x, _mm512_fmadd_ps(q, vs, vm));
+      acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(a + j), d), d, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (int j = 0; j < n; ++j) {
+    const float d = w[j] - (code(w[j], scale, offset) * scale + offset);
+    err += a[j] * d * d;
+  }
+  return err;
+}
+}  // namespace
+
+void int4_search_scales_offsets(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
+                                int group_size, float* scales, float* offsets) {
+  const int groups = cols / group_size;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const float* wg = w + r * cols + int64_t(g) * group_size;
+      const float* ag = importance + int64_t(g) * group_size;
+      float low = INFINITY, high = -INFINITY;
+      for (int j = 0; j < group_size; ++j) low = std::min(low, wg[j]), high = std::max(high, wg[j]);
+      // The plain pair, as precast.engine.formats.quantize_int4 makes it.
+      float best_scale = (high - low) / 15.0f, best_offset = low + 8.0f * best_scale;
+      if (best_scale > 0.0f) {
+        float s = best_scale, m = best_offset;
+        float best_err = int4_group_error_asym(wg, ag, group_size, s, m, false);
+        for (int k = 0; k <= kInt4AsymSteps; ++k) {
+          const float step = best_scale * (1.0f - 0.5f * float(k) / float(kInt4AsymSteps));
+          // the grid's code -8 at the min, code 7 at the max, or its middle (code -0.5) at the group's middle
+          const float anchored[3] = {low + 8.0f * step, high - 7.0f * step, 0.5f * (low + high) + 0.5f * step};
+          for (float start : anchored) {
+            s = step, m = start;
+            const float err = int4_group_error_asym(wg, ag, group_size, s, m, true);
+            if (err < best_err) best_err = err, best_scale = s, best_offset = m;
+          }
+        }
+      }
+      scales[r * groups + g] = best_scale;
+      offsets[r * groups + g] = best_offset;
+    }
+  }
 }
 
 void nvfp4_search_block_scales(const float* w, const float* importance, float global_scale, int64_t row_begin,

@@ -81,8 +81,9 @@ void nvfp4_codes(const float* x, int num_rows, int cols, float global_scale, flo
 // scale max|group| / 7 per group, round half to even, clamped to [-8, 7]. The same float32 operations as
 // precast.engine.formats.quantize_int4 and its dequantization (bit-identical; tested), in one pass instead of numpy's
 // eight (the search runs it 20 times per linear layer).
+// asymmetric: scale (max - min) / 15 and offset min + 8 scale per group, codes clamp(rint((v - offset) / scale)).
 void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, int64_t row_end, int cols,
-                            int group_size, float* out);
+                            int group_size, bool asymmetric, float* out);
 
 // The group scales of int4_awq's scale search (quantization/awq.py) for rows [row_begin, row_end) of a [rows, cols]
 // weight: per group, the scale minimising sum_j a_j (w_j - scale q_j)^2, q_j = clamp(rint(w_j / scale), -8, 7) as
@@ -93,6 +94,15 @@ void int4_round_trip_scaled(const float* w, const float* s, int64_t row_begin, i
 constexpr int kInt4ScaleCandidates = 28;
 void int4_search_scales(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
                         int group_size, float* scales);
+
+// The same search for asymmetric int4 groups (w ~ scale q + offset, q = clamp(rint((w - offset) / scale), -8, 7)):
+// per group, the (scale, offset) minimising sum_j a_j (w_j - scale q_j - offset)^2. Candidates: the plain pair from
+// the group's min and max (kept on ties), and grids from it down to half its step (kInt4AsymSteps) anchored at the
+// min, the max or the middle of the group, each refit by weighted least squares for its codes (both parameters),
+// then coded again. scales and offsets are [rows, cols / group_size].
+constexpr int kInt4AsymSteps = 14;
+void int4_search_scales_offsets(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
+                                int group_size, float* scales, float* offsets);
 
 // nvfp4's block scale search (quantization/awq.py's search_group_scales for nvfp4) for rows [row_begin, row_end)
 // of a [rows, cols] weight with its global scale: per block of 16, the E4M3 block scale minimising

@@ -13,8 +13,9 @@ from precast.plugins.triton.numerics import decode_e2m1, decode_int4, nibble
 
 @triton.jit
 def _gather_kernel(
-    ids_ptr, w_ptr, scale_ptr, out_ptr, H, weight_scale, embedding_scale, W_FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr
-):
+    ids_ptr, w_ptr, scale_ptr, offset_ptr, out_ptr, H, weight_scale, embedding_scale,
+    W_FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -26,6 +27,8 @@ def _gather_kernel(
         scale = tl.load(scale_ptr + row * (H // GROUP) + cols // GROUP, mask=mask, other=0.0).to(tl.float32)
         if W_FORMAT == 2:
             v = decode_int4(code) * scale
+            if HAS_OFFSET:
+                v += tl.load(offset_ptr + row * (H // GROUP) + cols // GROUP, mask=mask, other=0.0)
         else:
             v = decode_e2m1(code) * scale
     tl.store(out_ptr + t * H + cols, (v * weight_scale) * embedding_scale, mask=mask)
@@ -40,9 +43,10 @@ def embedding_gather(
     out = torch.empty((T, H), dtype=torch.float32, device=token_ids.device) if out is None else out
     if T:
         block = min(1024, triton.next_power_of_2(H))
+        scales = table.scales if table.scales is not None else table.values
         _gather_kernel[(T, triton.cdiv(H, block))](
-            token_ids, table.values, table.scales if table.scales is not None else table.values, out, H,
+            token_ids, table.values, scales, table.offsets if table.offsets is not None else scales, out, H,
             table.weight_scale, embedding_scale,
-            W_FORMAT=FORMATS[table.format], GROUP=max(table.group_size, 1), BLOCK=block,
+            W_FORMAT=FORMATS[table.format], GROUP=max(table.group_size, 1), HAS_OFFSET=table.offsets is not None, BLOCK=block,
         )  # fmt: skip
     return out

@@ -4,7 +4,8 @@ Weights stay in their stored format in device memory and are widened in register
   dense   float32 / bfloat16 / float16 [out, in]
   fp8     E4M3 [out, in], one per-tensor scale; inputs quantized to E4M3 with the static input scale, and the
           product taken on fp8 operands (Hopper's fp8 tensor cores), scaled once by input_scale * weight_scale
-  int4    two's-complement nibbles [out, in / 2] (low nibble first), a float32 scale per group of inputs
+  int4    two's-complement nibbles [out, in / 2] (low nibble first), a float32 scale per group of inputs and,
+          asymmetric, a float32 offset per group (w = code * scale + offset)
   nvfp4   E2M1 nibbles [out, in / 2], E4M3 scales per 16 inputs and a global scale; inputs quantized per 16 at
           run time. E2M1 x E4M3 values have at most 6 significant bits, so both operands are exact in bf16: the
           product runs on bf16 tensor cores with no rounding, scaled by the two global scales
@@ -50,6 +51,7 @@ class LinearWeight:
     cols: int
     scales: torch.Tensor | None = None  # int4: float32 [rows, cols / group]; nvfp4: float8_e4m3fn [rows, cols / 16]
     group_size: int = 0
+    offsets: torch.Tensor | None = None  # asymmetric int4: float32 [rows, cols / group]
     weight_scale: float = 1.0  # fp8: per-tensor scale; nvfp4: global scale
     input_quant: str = "none"  # how the layer's input is quantized at run time (its recipe)
     input_scale: float = 1.0  # fp8: static input scale; nvfp4: input global scale
@@ -61,16 +63,19 @@ class LinearWeight:
             raise ValueError("fp8 weights multiply fp8-quantized inputs (the fp8 recipe); weight-only fp8 has no kernel")
         if self.format == "nvfp4" and self.input_quant != "nvfp4":
             raise ValueError("nvfp4 weights multiply nvfp4-quantized inputs (the nvfp4 recipe); weight-only nvfp4 has no kernel")
+        if self.offsets is not None and self.format != "int4":
+            raise ValueError("group offsets come with int4 weights only")
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+        return sum(t.nbytes for t in (self.values, self.scales, self.offsets) if t is not None)
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, y_stride, out_scale,
-    W_FORMAT: tl.constexpr, DOT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, M, N, K, y_stride, out_scale,
+    W_FORMAT: tl.constexpr, DOT: tl.constexpr, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -90,6 +95,9 @@ def _linear_kernel(
             scale = tl.load(scale_ptr + rows * (K // GROUP) + rk[:, None] // GROUP, mask=w_mask, other=0.0).to(tl.float32)
             if W_FORMAT == 2:
                 w = decode_int4(code) * scale
+                if HAS_OFFSET:  # asymmetric groups: the widened weight is code * scale + offset
+                    group = rows * (K // GROUP) + rk[:, None] // GROUP
+                    w += tl.load(offset_ptr + group, mask=w_mask, other=0.0)
             else:
                 w = decode_e2m1(code) * scale
         if DOT == 3:  # E4M3 x E4M3, accumulated in float32
@@ -198,10 +206,11 @@ def linear(
     dot = _dot_mode(weight, precision, compute_dtype)
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     block_n, block_k = 64, 64
+    scales = weight.scales if weight.scales is not None else weight.values
     _linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        x, weight.values, weight.scales if weight.scales is not None else weight.values, bias if bias is not None else out,
-        out, M, N, K, out.stride(0), out_scale,
-        W_FORMAT=FORMATS[weight.format], DOT=dot, GROUP=max(weight.group_size, 1), HAS_BIAS=bias is not None,
-        INTERPRET=interpreting(), BM=block_m, BN=block_n, BK=block_k,
+        x, weight.values, scales, weight.offsets if weight.offsets is not None else scales,
+        bias if bias is not None else out, out, M, N, K, out.stride(0), out_scale,
+        W_FORMAT=FORMATS[weight.format], DOT=dot, GROUP=max(weight.group_size, 1), HAS_OFFSET=weight.offsets is not None,
+        HAS_BIAS=bias is not None, INTERPRET=interpreting(), BM=block_m, BN=block_n, BK=block_k,
     )  # fmt: skip
     return out

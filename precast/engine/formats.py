@@ -10,6 +10,8 @@ so stored values match every other implementation bit for bit.
            global = amax / (6 * 448), block_scale = block_amax / (6 * global) (stored as E4M3)
   int4     signed 4-bit integers in [-8, 7], packed two per byte (low nibble first), one
            float32 scale per group of `group_size` inputs:   w ~ q * scale, scale = group_amax / 7
+           asymmetric: also a float32 offset per group (the value of code 0; Q4_1's and Q4_K's "min" in another
+           guise):   w ~ q * scale + offset, scale = (max - min) / 15, offset = min + 8 * scale
 
 Activations (the inputs of quantized linear layers) are quantized at run time by the C++
 runner (plugins/cpu/quantize.h); `fake_quant_*_activation` below are the definitions it is
@@ -115,9 +117,11 @@ class Int4Tensor:
     packed: np.ndarray  # uint8 [out, in / 2]: two's-complement nibbles, low nibble first
     scales: np.ndarray  # float32 [out, in / group_size]
     group_size: int
+    offsets: np.ndarray | None = None  # float32 [out, in / group_size]: asymmetric groups only
 
     def dequantize(self) -> np.ndarray:
-        return unpack_int4(self.packed).astype(np.float32) * np.repeat(self.scales, self.group_size, axis=1)
+        w = unpack_int4(self.packed).astype(np.float32) * np.repeat(self.scales, self.group_size, axis=1)
+        return w if self.offsets is None else w + np.repeat(self.offsets, self.group_size, axis=1)
 
 
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
@@ -136,24 +140,41 @@ def default_group_size(cols: int) -> int:
     raise ValueError(f"int4 groups need an input dimension divisible by 32, got {cols}")
 
 
-def quantize_int4(w: np.ndarray, group_size: int | None = None, scales: np.ndarray | None = None) -> Int4Tensor:
-    """Codes rint(w / scale) clamped to [-8, 7]; scale = max|group| / 7 unless `scales` [rows, groups] gives them
-    (int4_awq's scale search, quantization/awq.py)."""
+def quantize_int4(
+    w: np.ndarray,
+    group_size: int | None = None,
+    scales: np.ndarray | None = None,
+    asymmetric: bool = False,
+    offsets: np.ndarray | None = None,
+) -> Int4Tensor:
+    """Codes rint((w - offset) / scale) clamped to [-8, 7]. Symmetric: offset 0, scale = max|group| / 7. Asymmetric:
+    scale = (max - min) / 15 and offset = min + 8 * scale, so that the group's min and max are codes -8 and 7. `scales`
+    (and, asymmetric, `offsets`) [rows, groups] replace the plain ones (int4_awq's scale search, quantization/awq.py)."""
     w = np.asarray(w, dtype=np.float32)
     rows, cols = w.shape
     g = group_size or default_group_size(cols)
     if cols % g or cols % 2:
         raise ValueError(f"group size {g} does not divide the input dimension {cols}")
+    if (offsets is not None and not asymmetric) or ((scales is None) != (offsets is None) and asymmetric):
+        raise ValueError("offsets come with asymmetric int4 only, and with its scales")
     groups = w.reshape(rows, cols // g, g)
     if scales is None:
-        scales = np.abs(groups).max(axis=2) / INT4_MAX
-    elif scales.shape != (rows, cols // g):
-        raise ValueError(f"int4 scales must be [{rows}, {cols // g}], got {list(scales.shape)}")
+        if asymmetric:
+            low, high = groups.min(axis=2), groups.max(axis=2)
+            scales = (high - low) / np.float32(15)
+            offsets = low + np.float32(8) * scales
+        else:
+            scales = np.abs(groups).max(axis=2) / INT4_MAX
+    for name, given in (("scales", scales), ("offsets", offsets)):
+        if given is not None and given.shape != (rows, cols // g):
+            raise ValueError(f"int4 {name} must be [{rows}, {cols // g}], got {list(given.shape)}")
     scales = np.asarray(scales, dtype=np.float32)
     safe = np.where(scales > 0, scales, 1.0)[:, :, None]
-    q = np.clip(np.rint(groups / safe), -8, INT4_MAX).astype(np.int8).reshape(rows, cols)
+    centred = groups if offsets is None else groups - np.asarray(offsets, dtype=np.float32)[:, :, None]
+    q = np.clip(np.rint(centred / safe), -8, INT4_MAX).astype(np.int8).reshape(rows, cols)
     nib = (q & 0x0F).astype(np.uint8)
-    return Int4Tensor((nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8), scales.astype(np.float32), g)
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    return Int4Tensor(packed, scales, g, None if offsets is None else np.asarray(offsets, dtype=np.float32))
 
 
 def fake_quant_fp8_activation(x: np.ndarray, scale: float) -> np.ndarray:

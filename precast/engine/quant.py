@@ -42,6 +42,8 @@ DYNAMIC_CPU_ONLY = (
     "TensorRT lowering take static scales: rebuild with --activation-scales static"
 )
 ReadTensor = Callable[[str], np.ndarray]
+# Tensors stored beside a quantized layer's `{layer}.weight` and read with it by its format.
+SIDE_TENSOR_SUFFIXES = (".weight_scale", ".weight_offset")
 
 
 def _positive(value: Any) -> bool:
@@ -251,15 +253,17 @@ class Nvfp4Layer(LayerQuant):
 
 @dataclass(frozen=True)
 class Int4Layer(LayerQuant):
-    """Signed 4-bit weights packed two per byte, a float32 scale per group of inputs; inputs stay in
-    the engine dtype (weight-only, W4A16). `awq`: activation-aware scales were folded in; `scale_search`: the group
-    scales were searched (quantization/awq.py) instead of max|group| / 7."""
+    """Signed 4-bit weights packed two per byte, a float32 scale per group of inputs and, `asymmetric`, a float32
+    offset per group (`{layer}.weight_offset`: w ~ q * scale + offset); inputs stay in the engine dtype (weight-only,
+    W4A16). `awq`: activation-aware scales were folded in; `scale_search`: the group scales (and offsets) were
+    searched (quantization/awq.py) instead of taken from the group's extremes."""
 
     format: ClassVar[str] = "int4"
     group_size: int = 0
     awq: bool | None = None
     awq_alpha: float | None = None
     scale_search: bool | None = None
+    asymmetric: bool | None = None  # None: symmetric (engines from before the option say nothing)
 
     @classmethod
     def plan(cls, cols: int, group_size: int | None) -> tuple[LayerQuant | None, str | None]:
@@ -273,7 +277,11 @@ class Int4Layer(LayerQuant):
             return None, f"its input size {cols} is not divisible by 32, 64 or 128"
 
     def tensors(self, layer: str, rows: int, cols: int) -> TensorLayout:
-        return {f"{layer}.weight": ((rows, cols // 2), "U8"), f"{layer}.weight_scale": ((rows, cols // self.group_size), "F32")}
+        groups = (rows, cols // self.group_size)
+        layout: TensorLayout = {f"{layer}.weight": ((rows, cols // 2), "U8"), f"{layer}.weight_scale": (groups, "F32")}
+        if self.asymmetric:
+            layout[f"{layer}.weight_offset"] = (groups, "F32")
+        return layout
 
     def problems(self, layer: str, rows: int, cols: int) -> list[str]:
         g = self.group_size
@@ -284,32 +292,51 @@ class Int4Layer(LayerQuant):
         return []
 
     def quantize(
-        self, weight: np.ndarray, input_amax: float | None, group_scales: np.ndarray | None = None
+        self,
+        weight: np.ndarray,
+        input_amax: float | None,
+        group_scales: np.ndarray | None = None,
+        group_offsets: np.ndarray | None = None,
     ) -> tuple[dict[str, np.ndarray], LayerQuant]:
-        q = formats.quantize_int4(weight, self.group_size, group_scales)
-        done = dataclasses.replace(self, awq=bool(self.awq), scale_search=group_scales is not None)
-        return {"weight": q.packed, "weight_scale": q.scales}, done
+        asymmetric = bool(self.asymmetric)
+        q = formats.quantize_int4(weight, self.group_size, group_scales, asymmetric, group_offsets)
+        arrays = {"weight": q.packed, "weight_scale": q.scales}
+        if q.offsets is not None:
+            arrays["weight_offset"] = q.offsets
+        done = dataclasses.replace(self, awq=bool(self.awq), scale_search=group_scales is not None, asymmetric=asymmetric)
+        return arrays, done
 
     def load_cpu(self, runner: Any, layer: str, read: ReadTensor, rows: int, cols: int, quantize_activations: bool) -> None:
         values = np.ascontiguousarray(read(f"{layer}.weight").view(np.uint8))
         scales = np.ascontiguousarray(read(f"{layer}.weight_scale"))
+        offsets = np.ascontiguousarray(read(f"{layer}.weight_offset")) if self.asymmetric else None
         runner.set_quantized_weight(
-            f"{layer}.weight", _C.WeightDtype.INT4, rows, cols, values, scales, self.group_size, 1.0, _C.ActQuant.NONE, 1.0
+            f"{layer}.weight", _C.WeightDtype.INT4, rows, cols, values, scales, self.group_size, 1.0, _C.ActQuant.NONE, 1.0, offsets
         )
 
     def device_arrays(self, layer: str, read: ReadTensor) -> dict[str, Any]:
         scales = read(f"{layer}.weight_scale").astype(np.float32)
-        return dict(format="int4", values=read(f"{layer}.weight").view(np.uint8), scales=scales, group_size=self.group_size)
+        arrays = dict(format="int4", values=read(f"{layer}.weight").view(np.uint8), scales=scales, group_size=self.group_size)
+        if self.asymmetric:
+            arrays["offsets"] = read(f"{layer}.weight_offset").astype(np.float32)
+        return arrays
 
     def lower_weight(self, lowering: Any, layer: str, rows: slice, tag: str) -> Any:
         ops, read = lowering.ops, lowering.engine.weights.read
         scales = lowering.const(f"{tag}.weight_scale", read(f"{layer}.weight_scale")[rows], lowering.act)
-        return ops.dequantize(
-            ops.constant(f"{tag}.weight", formats.unpack_int4(read(f"{layer}.weight")[rows]), "int4"), scales, lowering.act
-        )
+        w = ops.dequantize(ops.constant(f"{tag}.weight", formats.unpack_int4(read(f"{layer}.weight")[rows]), "int4"), scales, lowering.act)
+        if not self.asymmetric:
+            return w
+        # + offset per group: [rows, groups, group] + [rows, groups, 1], broadcast along each group.
+        offsets = read(f"{layer}.weight_offset")[rows]
+        count, groups = offsets.shape
+        grouped = ops.reshape(w, (count, groups, self.group_size))
+        shifted = ops.elementwise("sum", grouped, lowering.const(f"{tag}.weight_offset", offsets[:, :, None], lowering.act))
+        return ops.reshape(shifted, (count, groups * self.group_size))
 
     def precision(self, act_dtype: str) -> str:
-        return f"int4 weights (groups of {self.group_size}), {act_dtype} inputs"
+        kind = "asymmetric int4" if self.asymmetric else "int4"
+        return f"{kind} weights (groups of {self.group_size}), {act_dtype} inputs"
 
 
 FORMATS: dict[str, type[LayerQuant]] = {cls.format: cls for cls in (Fp8Layer, Nvfp4Layer, Int4Layer)}

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from precast.engine.directory import Engine
+from precast.engine.quant import SIDE_TENSOR_SUFFIXES
 from precast.engine.tensors import engine_tensor_shapes
 from precast.errors import PrecastError
 from precast.plugins.triton import LinearWeight
@@ -48,7 +49,7 @@ def upload(engine: Engine, device: torch.device) -> DeviceWeights:
     quantized = engine.config.quant.layers
     out = DeviceWeights()
     for name in engine.weights.tensors:
-        if name.endswith(".weight_scale"):
+        if name.endswith(SIDE_TENSOR_SUFFIXES):
             continue  # read with its weight
         layer = name[: -len(".weight")] if name.endswith(".weight") else None
         if layer in quantized:
@@ -58,6 +59,8 @@ def upload(engine: Engine, device: torch.device) -> DeviceWeights:
             scales = arrays.pop("scales", None)
             if scales is not None:
                 scales = _device(scales, device, torch.float8_e4m3fn if fmt == "nvfp4" else None)
+            if "offsets" in arrays:
+                arrays["offsets"] = _device(arrays["offsets"], device)
             weight = LinearWeight(fmt, values, *shapes[name], scales=scales, **arrays)
             out.linears[layer] = weight
             continue

@@ -14,6 +14,7 @@ from precast.engine.formats import (
     quantize_int4,
     quantize_nvfp4,
     unpack_fp4,
+    unpack_int4,
 )
 
 RNG = np.random.default_rng(0)
@@ -69,3 +70,28 @@ def test_int4_groups():
     q = np.rint(W.reshape(64, 3, 32) / t.scales[:, :, None]).clip(-8, 7)
     np.testing.assert_allclose(t.dequantize(), (q * t.scales[:, :, None]).reshape(64, 96), rtol=0, atol=0)
     assert np.abs(t.dequantize() - W).max() <= t.scales.max() / 2 + 1e-7
+
+
+def test_asymmetric_int4_groups_span_their_min_and_max():
+    """Each group's min and max are codes -8 and 7 (scale (max - min) / 15, offset min + 8 scale), every value is
+    within half a step, and a constant group is exact."""
+    w = W + np.float32(0.5)  # off-centre groups, where an offset pays
+    w[1, :32] = 0.25
+    t = quantize_int4(w, 32, asymmetric=True)
+    groups = w.reshape(64, 3, 32)
+    np.testing.assert_allclose(t.scales, (groups.max(2) - groups.min(2)) / 15, rtol=1e-6)
+    np.testing.assert_allclose(t.offsets, groups.min(2) + 8 * t.scales, rtol=1e-6, atol=1e-7)
+    codes, spread = unpack_int4(t.packed).reshape(64, 3, 32), t.scales[:, :, None] > 0
+    assert (codes[(groups == groups.min(2, keepdims=True)) & spread] == -8).all()
+    assert (codes[(groups == groups.max(2, keepdims=True)) & spread] == 7).all()
+    deq = t.dequantize()
+    assert np.abs(deq - w).max() <= t.scales.max() / 2 + 1e-6
+    np.testing.assert_array_equal(deq[1, :32], 0.25)
+    sym = quantize_int4(w, 32)
+    assert np.abs(deq - w).mean() < 0.8 * np.abs(sym.dequantize() - w).mean()
+    with pytest.raises(ValueError, match="offsets come with asymmetric int4 only"):
+        quantize_int4(w, 32, t.scales, offsets=t.offsets)
+    with pytest.raises(ValueError, match="offsets come with asymmetric int4 only"):
+        quantize_int4(w, 32, t.scales, asymmetric=True)
+    with pytest.raises(ValueError, match="offsets must be"):
+        quantize_int4(w, 32, t.scales, asymmetric=True, offsets=t.offsets[:, :2])

@@ -38,13 +38,14 @@ def test_every_format_reads_and_writes_back_unchanged():
             "layers.0.attn.qkv": {"format": "fp8", "weight_scale": 0.1, "input_scales": "dynamic"},
             "layers.0.mlp.down": {"format": "nvfp4", "weight_global_scale": 0.3, "input_global_scale": 0.4},
             "layers.0.mlp.gate_up": {"format": "int4", "group_size": 64, "awq": True, "awq_alpha": 0.5, "scale_search": True},
+            "layers.1.mlp.gate_up": {"format": "int4", "group_size": 64, "scale_search": False, "asymmetric": True},
         },
         "kv_cache": {"k_scales": [1.0, 2.0], "v_scales": [3.0, 4.0]},
         "calibration": {"samples": 2, "tokens": 8},
     }
     typed = QuantSection.from_dict(section, s, "fp8", "x")
     assert typed.to_dict() == section
-    assert [typed.layers[n].format for n in section["layers"]] == ["fp8", "fp8", "nvfp4", "int4"]
+    assert [typed.layers[n].format for n in section["layers"]] == ["fp8", "fp8", "nvfp4", "int4", "int4"]
     assert QuantSection().to_dict() == {"recipe": "none"}
 
 
@@ -55,3 +56,5 @@ def test_each_format_lays_out_its_tensors():
     assert layouts["fp8"] == {"layers.0.attn.o.weight": ((32, 64), "F8_E4M3")}
     assert layouts["nvfp4"] == {"layers.0.attn.o.weight": ((32, 32), "U8"), "layers.0.attn.o.weight_scale": ((32, 4), "F8_E4M3")}
     assert layouts["int4"] == {"layers.0.attn.o.weight": ((32, 32), "U8"), "layers.0.attn.o.weight_scale": ((32, 1), "F32")}
+    asymmetric = FORMATS["int4"](group_size=64, asymmetric=True).tensors("layers.0.attn.o", 32, 64)
+    assert asymmetric == layouts["int4"] | {"layers.0.attn.o.weight_offset": ((32, 1), "F32")}

@@ -72,10 +72,11 @@ def _weights(fmt: str, rows: int, cols: int, dtype=np.float32):
             input_scale=0.02,
         )
         return weight, (_C.WeightDtype.FP8, q.values.view(np.uint8), None, 0, q.scale), q.dequantize()
-    if fmt == "int4":
-        q = formats.quantize_int4(w, 32)
-        weight = LinearWeight("int4", t(q.packed), rows, cols, scales=t(q.scales), group_size=32)
-        return weight, (_C.WeightDtype.INT4, q.packed, q.scales, 32, 1.0), q.dequantize()
+    if fmt in ("int4", "int4_asym"):
+        q = formats.quantize_int4(w + np.float32(0.05), 32, asymmetric=fmt == "int4_asym")  # off-centre: offsets matter
+        offsets = None if q.offsets is None else t(q.offsets)
+        weight = LinearWeight("int4", t(q.packed), rows, cols, scales=t(q.scales), group_size=32, offsets=offsets)
+        return weight, (_C.WeightDtype.INT4, q.packed, q.scales, 32, 1.0, q.offsets), q.dequantize()
     q = formats.quantize_nvfp4(w)
     scales = t(q.block_scales.view(np.uint8)).view(torch.float8_e4m3fn)
     weight = LinearWeight(
@@ -84,7 +85,7 @@ def _weights(fmt: str, rows: int, cols: int, dtype=np.float32):
     return weight, (_C.WeightDtype.NVFP4, q.packed, q.block_scales.view(np.uint8), 16, q.global_scale), q.dequantize()
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "int4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "int4", "int4_asym", "nvfp4"])
 @pytest.mark.parametrize("rows,cols,batch", [(96, 64, 1), (130, 160, 5), (64, 96, 37)])
 def test_linear_matches_the_cpu_kernel(fmt, rows, cols, batch):
     weight, cpu_args, _ = _weights(fmt, rows, cols)
@@ -96,7 +97,10 @@ def test_linear_matches_the_cpu_kernel(fmt, rows, cols, batch):
         x = _C.fake_quant_fp8(x, weight.input_scale)
     elif weight.input_quant == "nvfp4":
         x = _C.fake_quant_nvfp4(x, weight.input_scale)
-    want = _C.linear(x, cpu_args[0], rows, cols, cpu_args[1], cpu_args[2], cpu_args[3], cpu_args[4], 1, 1) + bias
+    dtype, values, scales, group_size, scale, *offsets = cpu_args
+    # the CPU kernel's float32 path: the Triton kernel's default precision (a bf16 unit would round x)
+    offsets = (offsets or [None])[0]
+    want = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, 1, 1, "float32", offsets) + bias
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
@@ -110,8 +114,9 @@ def test_linear_in_the_weights_precision_rounds_inputs_to_the_engine_dtype(dtype
     assert not np.allclose(got, x @ w.T, rtol=1e-6, atol=0)  # the inputs were rounded
 
 
-def test_int4_in_the_weights_precision_rounds_dequantized_weights_too():
-    weight, _, w = _weights("int4", 64, 64)
+@pytest.mark.parametrize("fmt", ["int4", "int4_asym"])
+def test_int4_in_the_weights_precision_rounds_dequantized_weights_too(fmt):
+    weight, _, w = _weights(fmt, 64, 64)
     x = RNG.standard_normal((2, 64)).astype(np.float32)
     got = linear(t(x), weight, precision="weights", compute_dtype=torch.bfloat16).cpu().numpy()
     bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)
@@ -124,6 +129,8 @@ def test_linear_refuses_mismatches():
         linear(torch.zeros(2, 16, device=DEVICE), weight)
     with pytest.raises(ValueError, match="weight-only fp8"):
         LinearWeight("fp8", torch.zeros(8, 32, dtype=torch.float8_e4m3fn, device=DEVICE), 8, 32)
+    with pytest.raises(ValueError, match="offsets come with int4 weights only"):
+        LinearWeight("dense", torch.zeros(8, 32, device=DEVICE), 8, 32, offsets=torch.zeros(8, 1, device=DEVICE))
 
 
 def test_rms_norm_with_and_without_residual():
@@ -153,7 +160,7 @@ def test_gated_activation(activation):
     np.testing.assert_allclose(gated_activation(t(gu), activation).cpu().numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "int4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "int4", "int4_asym", "nvfp4"])
 def test_embedding_gather_every_format(fmt):
     weight, _, w = _weights(fmt, 50, 64)
     ids = np.array([3, 49, 0, 3], np.int32)

@@ -63,15 +63,16 @@ def test_nvfp4_activation_quantization_matches_definition(global_scale):
 
 
 def _stored(fmt: str, w: np.ndarray, group: int | None = None):
-    """(dtype, values, group_scales, group_size, scale, dequantized) for one format."""
+    """(dtype, values, group_scales, group_size, scale, dequantized) for one format; "int4_asym" also returns its
+    group offsets, as a seventh item (None otherwise)."""
     if fmt == "fp8":
         q = quantize_fp8(w)
-        return _C.WeightDtype.FP8, q.values.view(np.uint8), None, 0, q.scale, q.dequantize()
+        return _C.WeightDtype.FP8, q.values.view(np.uint8), None, 0, q.scale, q.dequantize(), None
     if fmt == "nvfp4":
         q4 = quantize_nvfp4(w)
-        return _C.WeightDtype.NVFP4, q4.packed, q4.block_scales.view(np.uint8), 16, q4.global_scale, q4.dequantize()
-    qi = quantize_int4(w, group)
-    return _C.WeightDtype.INT4, qi.packed, qi.scales, qi.group_size, 1.0, qi.dequantize()
+        return _C.WeightDtype.NVFP4, q4.packed, q4.block_scales.view(np.uint8), 16, q4.global_scale, q4.dequantize(), None
+    qi = quantize_int4(w, group, asymmetric=fmt == "int4_asym")
+    return _C.WeightDtype.INT4, qi.packed, qi.scales, qi.group_size, 1.0, qi.dequantize(), qi.offsets
 
 
 DOT_UNITS = _C.dot_units()  # every unit this host has: float32 FMAs, and AMX / AVX512-BF16 where present
@@ -90,14 +91,14 @@ def _expected(x: np.ndarray, weight: np.ndarray, dot: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dot", DOT_UNITS)
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4", "int4_asym"])
 @pytest.mark.parametrize("rows,cols,group", [(64, 64, 32), (100, 96, 32), (130, 576, 64), (7, 128, 128)])
 def test_quantized_linear_matches_dequantized_matmul(fmt, rows, cols, group, dot):
-    w = (RNG.standard_normal((rows, cols)) * 0.1).astype(np.float32)
-    dtype, values, scales, group_size, scale, dequantized = _stored(fmt, w, group)
+    w = (RNG.standard_normal((rows, cols)) * 0.1 + 0.05).astype(np.float32)
+    dtype, values, scales, group_size, scale, dequantized, offsets = _stored(fmt, w, group)
     for num_rows in (1, 2, 5, 6, 7, 13, 17, 40):  # every row-block size of the kernels and remainders
         x = RNG.standard_normal((num_rows, cols)).astype(np.float32)
-        y = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, num_threads=2, dot=dot)
+        y = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, num_threads=2, dot=dot, group_offsets=offsets)
         reference = _expected(x, dequantized, dot)
         np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
 
@@ -114,18 +115,22 @@ def test_bf16_linear_multiplies_bf16_values(dot):
 
 
 @pytest.mark.parametrize("dot", DOT_UNITS)
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "int4", "int4_asym"])
 def test_linear_is_batch_invariant(fmt, dot):
     """Each row alone, in a batch of 11, or in a prefill of 230 rows (several row blocks and
     chunks, weights widened once per panel) comes out bit-identical."""
     rows, cols = 200, 128
     w = (RNG.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    offsets = None
     if fmt == "bf16":
         dtype, values, scales, group_size, scale = _C.WeightDtype.BF16, w.astype(ml_dtypes.bfloat16).view(np.uint8), None, 0, 1.0
     else:
-        dtype, values, scales, group_size, scale, _ = _stored(fmt, w, 32)
+        dtype, values, scales, group_size, scale, _, offsets = _stored(fmt, w, 32)
     x = RNG.standard_normal((230, cols)).astype(np.float32)
-    run = lambda rows_x, threads: _C.linear(rows_x, dtype, rows, cols, values, scales, group_size, scale, num_threads=threads, dot=dot)  # noqa: E731
+
+    def run(rows_x: np.ndarray, threads: int) -> np.ndarray:
+        return _C.linear(rows_x, dtype, rows, cols, values, scales, group_size, scale, threads, dot=dot, group_offsets=offsets)
+
     prefill, together = run(x, 2), run(x[:11], 2)
     np.testing.assert_array_equal(prefill[:11], together)
     for r in (0, 5, 10, 99, 229):
@@ -140,9 +145,14 @@ def test_dot_unit_names():
 
 def test_linear_rejects_wrong_sizes():
     w = np.zeros((64, 64), np.float32)
-    dtype, values, scales, group_size, scale, _ = _stored("int4", w + 1, 32)
+    dtype, values, scales, group_size, scale, _, offsets = _stored("int4_asym", w + 1, 32)
     x = np.ones((1, 64), np.float32)
     with pytest.raises(ValueError, match="value bytes"):
         _C.linear(x, dtype, 64, 64, values[:, :-1].copy(), scales, group_size, scale)
     with pytest.raises(ValueError, match="group scales"):
         _C.linear(x, dtype, 64, 64, values, scales[:, :-1].copy(), group_size, scale)
+    with pytest.raises(ValueError, match="group offset bytes"):
+        _C.linear(x, dtype, 64, 64, values, scales, group_size, scale, group_offsets=offsets[:, :-1].copy())
+    fp8 = _stored("fp8", w + 1)
+    with pytest.raises(ValueError, match="group offsets come with int4 weights only"):
+        _C.linear(x, fp8[0], 64, 64, fp8[1], None, 0, fp8[4], group_offsets=offsets)

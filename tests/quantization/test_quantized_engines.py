@@ -27,7 +27,7 @@ from precast.engine.formats import (
     quantize_int4,
     quantize_nvfp4,
 )
-from precast.engine.quant import Fp8Layer
+from precast.engine.quant import SIDE_TENSOR_SUFFIXES, Fp8Layer
 from precast.engine.rope import rotary_row_order
 from precast.engine.safetensors_file import SafetensorsWriter
 from precast.engine.tensors import linear_shapes
@@ -60,7 +60,8 @@ def dequantized(engine, layer: str, entry: dict) -> np.ndarray:
     scales = engine.weights.read(f"{layer}.weight_scale")
     if entry["format"] == "nvfp4":
         return Nvfp4Tensor(values, scales, entry["weight_global_scale"], (rows, cols)).dequantize()
-    return Int4Tensor(values, scales, int(entry["group_size"])).dequantize()
+    offsets = engine.weights.read(f"{layer}.weight_offset") if entry.get("asymmetric") else None
+    return Int4Tensor(values, scales, int(entry["group_size"]), offsets).dequantize()
 
 
 def quantize_input(x: torch.Tensor, entry: dict | None, bf16_inputs: bool = False) -> torch.Tensor:
@@ -132,7 +133,7 @@ def hf_twin(engine, checkpoint, bf16_inputs: bool = False):
     layers = engine.config.quant.to_dict().get("layers", {})
     state = {}
     for name in engine.weights.tensors:
-        if name.endswith(".weight_scale"):
+        if name.endswith(SIDE_TENSOR_SUFFIXES):
             continue
         layer = name[: -len(".weight")]
         array = dequantized(engine, layer, layers[layer]) if layer in layers else engine.weights.read(name).astype(np.float32)
@@ -214,7 +215,8 @@ def hf_twin(engine, checkpoint, bf16_inputs: bool = False):
     return model
 
 
-CASES = [  # recipe[:fp8 activation scales]
+VARIANTS = {"dynamic": {"activation_scales": "dynamic"}, "symmetric": {"asymmetric": False}}
+CASES = [  # recipe[:variant]
     ("llama", "fp8", False),
     ("qwen2", "fp8:dynamic", False),
     ("mixtral", "fp8:dynamic", True),
@@ -223,6 +225,7 @@ CASES = [  # recipe[:fp8 activation scales]
     ("qwen3", "nvfp4", False),
     ("mistral", "int4_awq", False),
     ("llama3", "int4_awq", True),
+    ("qwen2", "int4_awq:symmetric", True),
     ("phi4mini", "fp8", True),
     ("phi3", "nvfp4", False),
     ("phi4mini", "int4_awq", False),
@@ -240,16 +243,14 @@ CASES = [  # recipe[:fp8 activation scales]
 @pytest.mark.parametrize("name,recipe,lm_head", CASES)
 def test_quantized_engine_matches_transformers_on_the_same_quantization(name, recipe, lm_head, tiny_checkpoints, tmp_path):
     out = tmp_path / "engine"
-    recipe, _, activation_scales = recipe.partition(":")
+    recipe, _, variant = recipe.partition(":")
     build_engine(
         BuildOptions(
             tiny_checkpoints[name],
             out,
             max_seq_len=256,  # longrope (phi): within the original context, as transformers runs a 40-token prompt
             progress=False,
-            quant=QuantOptions(
-                recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB, activation_scales=activation_scales or "static"
-            ),
+            quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB, **VARIANTS.get(variant, {})),
         )
     )
     engine = load_engine(out)
@@ -266,10 +267,13 @@ def test_quantized_engine_matches_transformers_on_the_same_quantization(name, re
         assert any(entry["awq"] for entry in q["layers"].values())
         # every layer with calibration rows (not an expert no calibration token reached) has searched group scales
         assert all(entry["scale_search"] for layer, entry in q["layers"].items() if ".moe.experts." not in layer)
+        asymmetric = variant != "symmetric"
+        assert all(entry["asymmetric"] == asymmetric for entry in q["layers"].values())
+        assert all((f"{layer}.weight_offset" in engine.weights.tensors) == asymmetric for layer in q["layers"])
     if recipe == "nvfp4":
         assert all(entry["scale_search"] for layer, entry in q["layers"].items() if ".moe.experts." not in layer)
     if recipe == "fp8":
-        dynamic = activation_scales == "dynamic"
+        dynamic = variant == "dynamic"
         assert all(
             (entry.get("input_scales") == "dynamic") == dynamic and ("input_scale" in entry) != dynamic for entry in q["layers"].values()
         )
@@ -337,9 +341,11 @@ def test_awq_folding_preserves_the_full_precision_model(tiny_checkpoints, tmp_pa
 def test_awq_round_trip_is_the_int4_format():
     w = RNG.standard_normal((48, 192)).astype(np.float32)
     np.testing.assert_array_equal(awq.int4_round_trip(w, 64), quantize_int4(w, 64).dequantize())
+    np.testing.assert_array_equal(awq.int4_round_trip(w, 64, True), quantize_int4(w, 64, asymmetric=True).dequantize())
 
 
-def test_awq_search_round_trip_kernel_is_bit_exact():
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_awq_search_round_trip_kernel_is_bit_exact(asymmetric):
     """_C.int4_round_trip_scaled (one pass, threaded) computes exactly int4_round_trip(w * s) / s."""
     from precast import _C
 
@@ -349,9 +355,10 @@ def test_awq_search_round_trip_kernel_is_bit_exact():
     w[6, 64:128] = -np.linspace(0, 8.5, 64, dtype=np.float32)  # the scale from the most negative value (-7 at most)
     s = (RNG.random(256) + 0.25).astype(np.float32)
     s[:64] = 1
-    reference = awq.int4_round_trip(w * s, 64) / s
+    w[7, 128:192] += 3  # a group far from zero: asymmetric groups shift to it
+    reference = awq.int4_round_trip(w * s, 64, asymmetric) / s
     for threads in (1, 3):
-        np.testing.assert_array_equal(_C.int4_round_trip_scaled(w, s, 64, threads), reference)
+        np.testing.assert_array_equal(_C.int4_round_trip_scaled(w, s, 64, threads, asymmetric), reference)
     with pytest.raises(ValueError, match="group_size"):
         _C.int4_round_trip_scaled(w, s, 100)
 
@@ -366,8 +373,8 @@ def test_group_scale_search_never_loses_to_the_plain_scale():
     w[1, :8] *= 12  # a group with outlier weights: clipping them pays
     x = RNG.standard_normal((512, cols)).astype(np.float32)
     x[:, 3:7] *= 20  # a few salient input channels
-    scales = awq.search_group_scales(w, x, g, num_threads=2)
-    assert scales.shape == (rows, cols // g) and scales[0, 0] == 0
+    scales, offsets = awq.search_group_scales(w, x, g, num_threads=2)
+    assert scales.shape == (rows, cols // g) and scales[0, 0] == 0 and offsets is None
     plain = quantize_int4(w, g)
     searched = quantize_int4(w, g, scales)
     np.testing.assert_array_equal(searched.scales, scales)
@@ -386,6 +393,37 @@ def test_group_scale_search_never_loses_to_the_plain_scale():
         quantize_int4(w, g, scales[:, :2])
     with pytest.raises(ValueError, match="group_size"):
         awq.search_group_scales(w, x, 100)
+
+
+def test_asymmetric_group_search_never_loses_to_the_plain_groups():
+    """Each asymmetric group's searched (scale, offset) has at most the plain pair's input-weighted error (the plain
+    pair is a candidate), the codes follow the format's rounding for them, the output error drops well below the plain
+    pairs' on inputs with salient channels, and the result beats the searched symmetric groups."""
+    rows, cols, g = 96, 256, 64
+    w = RNG.standard_normal((rows, cols)).astype(np.float32) + 0.2
+    w[0, :64] = 0.5  # a constant group keeps its plain pair (scale 0, offset the value)
+    w[1, :8] *= 12  # a group with outliers
+    x = RNG.standard_normal((512, cols)).astype(np.float32)
+    x[:, 3:7] *= 20
+    scales, offsets = awq.search_group_scales(w, x, g, asymmetric=True, num_threads=2)
+    assert scales.shape == offsets.shape == (rows, cols // g)
+    assert scales[0, 0] == 0 and offsets[0, 0] == 0.5
+    plain = quantize_int4(w, g, asymmetric=True)
+    searched = quantize_int4(w, g, scales, asymmetric=True, offsets=offsets)
+    np.testing.assert_array_equal(searched.offsets, offsets)
+    safe = np.where(scales > 0, scales, 1)[:, :, None]
+    codes = np.clip(np.rint((w.reshape(rows, -1, g) - offsets[:, :, None]) / safe), -8, 7)
+    np.testing.assert_array_equal(searched.dequantize(), (codes * scales[:, :, None] + offsets[:, :, None]).reshape(rows, cols))
+    importance = np.mean(np.square(x, dtype=np.float64), axis=0)
+
+    def group_errors(q) -> np.ndarray:
+        return ((q.dequantize() - w) ** 2 * importance).reshape(rows, -1, g).sum(-1)
+
+    assert (group_errors(searched) <= group_errors(plain) * (1 + 1e-5) + 1e-12).all()
+    out_err = lambda q: np.mean((x @ (q.dequantize() - w).T) ** 2)  # noqa: E731
+    assert out_err(searched) < 0.9 * out_err(plain)
+    symmetric = quantize_int4(w, g, awq.search_group_scales(w, x, g)[0])
+    assert out_err(searched) < 0.8 * out_err(symmetric)
 
 
 def test_nvfp4_block_scale_search_never_loses_to_the_plain_scale():

@@ -48,6 +48,9 @@ def test_int4_group_defaults_to_largest_dividing_size():
     assert plan["layers.0.attn.qkv"].group_size == 64  # 576 = 64 x 9, not a multiple of 128
     assert plan["layers.0.mlp.down"].group_size == 128  # 1536
     assert plan_layers(spec(), QuantOptions(recipe="int4_awq", group_size=32))["layers.0.mlp.down"].group_size == 32
+    # asymmetric groups (a scale and an offset each) unless asked for symmetric ones
+    assert all(p.asymmetric for p in plan_layers(spec(), QuantOptions(recipe="int4_awq")).values())
+    assert not any(p.asymmetric for p in plan_layers(spec(), QuantOptions(recipe="int4_awq", asymmetric=False)).values())
 
 
 def test_exclude_patterns():
@@ -76,6 +79,7 @@ def test_shape_the_format_cannot_take_names_the_layer():
         (QuantOptions(kv_cache_dtype="int8"), "--kv-cache-dtype 'int8' is not supported.*auto, fp8"),
         (QuantOptions(recipe="fp8", group_size=64), "--group-size applies to --quant int4_awq only"),
         (QuantOptions(recipe="int4_awq", group_size=7), "even number"),
+        (QuantOptions(recipe="fp8", asymmetric=False), "--symmetric applies to --quant int4_awq only"),
         (QuantOptions(quantize_lm_head=True), "needs a --quant recipe"),
         (QuantOptions(recipe="fp8", calib_text="/nonexistent/calib.txt"), "--calib-text /nonexistent/calib.txt does not exist"),
         (QuantOptions(recipe="fp8", calib_samples=0), "--calib-samples must be >= 1"),

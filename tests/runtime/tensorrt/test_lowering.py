@@ -87,17 +87,19 @@ def test_numpy_lowering_matches_hf_on_smollm2(smollm2_gguf, smollm2_hf_model, tm
 
 @pytest.fixture(scope="module")
 def quantized_tiny(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
-    """The tiny llama quantized by each recipe (float32 elsewhere, so both sides compute in float32)."""
+    """The tiny llama quantized by each recipe (float32 elsewhere, so both sides compute in float32); int4_awq has
+    asymmetric groups, "int4_awq:symmetric" symmetric ones."""
     root = tmp_path_factory.mktemp("trt-quant")
     tokens = tuple(tuple(int(t) for t in np.random.default_rng(i).integers(0, 128, 48)) for i in range(4))
     out = {}
-    for recipe in ("fp8", "nvfp4", "int4_awq"):
-        out[recipe] = root / recipe
-        quant = QuantOptions(recipe=recipe, calib_tokens=tokens, group_size=32 if recipe == "int4_awq" else None)
+    for name in ("fp8", "nvfp4", "int4_awq", "int4_awq:symmetric"):
+        recipe, int4 = name.split(":")[0], name.startswith("int4")
+        out[name] = root / name.replace(":", "-")
+        quant = QuantOptions(recipe=recipe, calib_tokens=tokens, group_size=32 if int4 else None, asymmetric=not name.endswith("symmetric"))
         build_engine(
             BuildOptions(
                 tiny_checkpoints["llama"],
-                out[recipe],
+                out[name],
                 dtype="float32",
                 max_seq_len=64,
                 max_batch_size=2,
@@ -109,7 +111,7 @@ def quantized_tiny(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "nvfp4", "int4_awq"])
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4", "int4_awq", "int4_awq:symmetric"])
 def test_numpy_lowering_matches_the_cpu_runner_on_quantized_engines(recipe, quantized_tiny):
     prompt = np.random.default_rng(11).integers(0, 128, 30).tolist()
     ours, ops = numpy_prefill(quantized_tiny[recipe], prompt)
@@ -117,12 +119,12 @@ def test_numpy_lowering_matches_the_cpu_runner_on_quantized_engines(recipe, quan
     want = np.asarray(runner.evaluate(prompt, True)).reshape(len(prompt), -1)
     assert (ours.argmax(-1) == want.argmax(-1)).all()
     assert np.abs(ours - want).max() <= 1e-3 * np.abs(want).max()
-    formats = {"fp8": {"quantize"}, "nvfp4": {"dynamic_quantize"}, "int4_awq": set()}[recipe]
+    formats = {"fp8": {"quantize"}, "nvfp4": {"dynamic_quantize"}}.get(recipe, set())
     assert formats <= {e.op for e in ops.trace}  # the recipe's activation quantization is in the network
     assert "dequantize" in {e.op for e in ops.trace}
 
 
-@pytest.mark.parametrize("which", ["llama", "qwen3", "phi4mini", "gemma3", "fp8", "nvfp4", "int4_awq"])
+@pytest.mark.parametrize("which", ["llama", "qwen3", "phi4mini", "gemma3", "fp8", "nvfp4", "int4_awq", "int4_awq:symmetric"])
 def test_recorded_network_matches_the_numpy_trace(which, tiny_trt_engines, quantized_tiny):
     """One lowering, two backends: the TensorRT layers and the numpy ops agree entry by entry (op, shape, dtype)."""
     from precast.runtime.tensorrt.trt_ops import TrtOps, import_tensorrt, quiet_logger
