@@ -376,7 +376,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-llamacpp", action="store_true")
-    parser.add_argument("--precast", nargs="*", default=["float32", "bfloat16", "fp8", "nvfp4", "int4_awq"])
+    parser.add_argument(
+        "--precast",
+        nargs="*",
+        default=["float32", "bfloat16", "fp8", "nvfp4", "int4_awq"],
+        help="float32, bfloat16, recipes or their variants (RECIPE:VARIANT, e.g. int4_awq:symmetric)",
+    )
     parser.add_argument("--llamacpp-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llamacpp_worker:
@@ -386,7 +391,7 @@ def main() -> None:
     from precast.builder.build import BuildOptions, build_engine
     from precast.engine.directory import load_engine
     from precast.packaged import packaged_model_path
-    from precast.quantization.recipe import QuantOptions
+    from precast.quantization.recipe import QuantOptions, parse_recipe_variant
     from precast.runtime.cpu_backend import default_num_threads
     from precast.runtime.tokenizer import Tokenizer
 
@@ -400,9 +405,10 @@ def main() -> None:
         tmp_path = Path(tmp)
         chat_ids: list[int] = []
         for variant in args.precast:
-            recipe = variant if variant in ("fp8", "nvfp4", "int4_awq") else "none"
-            dtype = variant if recipe == "none" else "bfloat16"
-            engine = tmp_path / variant
+            dense = variant in ("float32", "bfloat16")
+            recipe, fields = ("none", {}) if dense else parse_recipe_variant(variant)
+            dtype = variant if dense else "bfloat16"
+            engine = tmp_path / variant.replace(":", "-")
             build_engine(
                 BuildOptions(
                     gguf,
@@ -410,7 +416,7 @@ def main() -> None:
                     dtype=dtype,
                     max_seq_len=max(2048, LONG_PREFILL + 16),
                     progress=False,
-                    quant=QuantOptions(recipe=recipe, quantize_lm_head=recipe != "none"),
+                    quant=QuantOptions(recipe=recipe, quantize_lm_head=recipe != "none", **fields),
                 )
             )
             if not chat_ids:

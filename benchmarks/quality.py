@@ -53,26 +53,15 @@ print(json.dumps({"seconds": r.seconds, "peak_rss_mb": peak_rss_mb(),
 """
 
 
-# A recipe on the command line may name a variant: RECIPE:VARIANT.
-VARIANTS = {
-    "fp8:dynamic": {"activation_scales": "dynamic"},  # per-token activation scales instead of static per-tensor
-    "int4_awq:no-search": {"scale_search": False},  # group scales (and offsets) from the groups' extremes
-    "int4_awq:symmetric": {"asymmetric": False},  # groups centred on zero, a scale each (no offset)
-    "int4_awq:symmetric-no-search": {"asymmetric": False, "scale_search": False},  # max|group| / 7, the first recipe
-    "nvfp4:no-search": {"scale_search": False},  # block scales e4m3(max|block| / (6 x global)), as before the search
-    "int4_awq:g32": {"group_size": 32},
-    "int4_awq:g32-no-search": {"group_size": 32, "scale_search": False},
-    "int4_awq:g32-symmetric": {"group_size": 32, "asymmetric": False},
-}
-
-
 def recipe_variant(spec: str) -> tuple[str, dict]:
-    """'fp8' -> ('fp8', {}); 'fp8:dynamic' -> ('fp8', QuantOptions fields)."""
-    if ":" not in spec:
-        return spec, {}
-    if spec not in VARIANTS:
-        raise SystemExit(f"unknown recipe variant {spec!r}; known: {', '.join(VARIANTS)}")
-    return spec.split(":")[0], VARIANTS[spec]
+    """'fp8' -> ('fp8', {}); 'fp8:dynamic' -> ('fp8', QuantOptions fields); an unknown variant ends the script."""
+    from precast.errors import PrecastError
+    from precast.quantization.recipe import parse_recipe_variant
+
+    try:
+        return parse_recipe_variant(spec)
+    except PrecastError as e:
+        raise SystemExit(str(e)) from e
 
 
 def build(gguf: Path, out: Path, spec: str, kv: str, quantize_lm_head: bool) -> dict:
@@ -110,7 +99,12 @@ def llamacpp_rows(gguf: Path, formats: list[str], windows, reference, chat, tmp:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="a packaged model (precast models)")
-    parser.add_argument("--recipes", nargs="*", default=["fp8", "nvfp4", "int4_awq"], help=f"recipes, or variants: {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--recipes",
+        nargs="*",
+        default=["fp8", "nvfp4", "int4_awq"],
+        help="recipes, or variants (RECIPE:VARIANT, precast.quantization.recipe.RECIPE_VARIANTS)",
+    )
     parser.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (as llama.cpp's files do)")
     parser.add_argument(
         "--llamacpp", nargs="*", choices=list(FTYPES), default=None, help="llama.cpp formats to score beside (no value: Q8_0 Q4_K_M Q4_0)"

@@ -12,6 +12,7 @@ import dataclasses
 import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from precast.engine.limits import KV_CACHE_DTYPES
 from precast.engine.quant import INPUT_SCALES, RECIPE_FORMATS, RECIPES, Fp8Layer, Int4Layer, LayerQuant
@@ -65,6 +66,29 @@ class QuantOptions:
             raise PrecastError("--calib-samples must be >= 1 and --calib-seq-len >= 2")
         if self.calib_text is not None and not Path(self.calib_text).is_file():
             raise PrecastError(f"--calib-text {self.calib_text} does not exist or is not a file")
+
+
+# Named variants of the recipes ("RECIPE:VARIANT" in benchmarks/ and the tests): the QuantOptions fields they set.
+RECIPE_VARIANTS: dict[str, dict[str, Any]] = {
+    "fp8:dynamic": {"activation_scales": "dynamic"},  # per-token activation scales instead of static per-tensor
+    "int4_awq:no-search": {"scale_search": False},  # group scales and offsets from the groups' extremes
+    "int4_awq:symmetric": {"asymmetric": False},  # groups centred on zero, a scale each (no offset)
+    "int4_awq:symmetric-no-search": {"asymmetric": False, "scale_search": False},  # max|group| / 7, the first recipe
+    "int4_awq:g32": {"group_size": 32},
+    "int4_awq:g32-no-search": {"group_size": 32, "scale_search": False},
+    "int4_awq:g32-symmetric": {"group_size": 32, "asymmetric": False},
+    "nvfp4:no-search": {"scale_search": False},  # block scales e4m3(max|block| / (6 x global)), as before the search
+}
+
+
+def parse_recipe_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """'fp8' -> ('fp8', {}); 'fp8:dynamic' -> ('fp8', {'activation_scales': 'dynamic'}): the recipe and the
+    QuantOptions fields of a named variant."""
+    if ":" not in spec:
+        return spec, {}
+    if spec not in RECIPE_VARIANTS:
+        raise PrecastError(f"unknown recipe variant {spec!r}; known: {', '.join(RECIPE_VARIANTS)}")
+    return spec.split(":")[0], dict(RECIPE_VARIANTS[spec])
 
 
 def plan_layers(spec: ModelSpec, options: QuantOptions) -> dict[str, LayerQuant]:

@@ -414,7 +414,11 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
       std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes,
                   scales + (o * groups + g) * scale_bytes, scale_bytes);
   }
-  if (w.group_offsets) m.group_offsets.assign(w.group_offsets, w.group_offsets + size_t(w.rows) * groups);
+  if (w.group_offsets) {  // group-major, [groups][rows]: add_group_offsets runs along outputs
+    m.group_offsets.resize(size_t(w.rows) * groups);
+    for (int64_t o = 0; o < w.rows; ++o)
+      for (int64_t g = 0; g < groups; ++g) m.group_offsets[size_t(g * w.rows + o)] = w.group_offsets[o * groups + g];
+  }
   // nvfp4 group scales are E4M3 read as value / 256; the global scale carries the 256.
   m.out_scale = w.dtype == WeightDtype::kNVFP4 ? w.scale * 256.0f : 1.0f;
   return m;
@@ -442,24 +446,33 @@ void add_group_offsets(ThreadPool& pool, const float* x, int num_rows, const Pac
       }
     }
   };
+  // Outputs in blocks of kOffsetBlock: per row, acc[o] += offset[k][o] * sum[k] for k in order (the offsets are stored
+  // group-major, so the inner loop runs along contiguous outputs and vectorizes), then y += acc.
+  constexpr int64_t kOffsetBlock = 256;
+  const int64_t blocks = (int64_t(w.rows) + kOffsetBlock - 1) / kOffsetBlock;
   auto add = [&](int64_t begin, int64_t end) {
-    for (int64_t r = 0; r < num_rows; ++r) {
-      const float* s = sums.data() + r * groups;
-      for (int64_t o = begin; o < end; ++o) {
-        const float* offsets = w.group_offsets.data() + o * groups;
-        float acc = 0.0f;
-        for (int k = 0; k < groups; ++k) acc += offsets[k] * s[k];
-        y[r * w.rows + o] += acc;
+    float acc[kOffsetBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t o0 = b * kOffsetBlock, n = std::min<int64_t>(kOffsetBlock, w.rows - o0);
+      for (int64_t r = 0; r < num_rows; ++r) {
+        std::fill(acc, acc + n, 0.0f);
+        for (int k = 0; k < groups; ++k) {
+          const float* offsets = w.group_offsets.data() + int64_t(k) * w.rows + o0;
+          const float s = sums[size_t(r * groups + k)];
+          for (int64_t o = 0; o < n; ++o) acc[o] += offsets[o] * s;
+        }
+        float* yr = y + r * w.rows + o0;
+        for (int64_t o = 0; o < n; ++o) yr[o] += acc[o];
       }
     }
   };
-  // A decode step's few thousand multiply-adds cost less than waking the workers.
-  if (int64_t(num_rows) * w.rows * groups < (int64_t(1) << 18)) {
+  // A decode step's few hundred thousand multiply-adds cost less than waking the workers.
+  if (int64_t(num_rows) * w.rows * groups < (int64_t(1) << 20)) {
     group_sums(0, num_rows);
-    add(0, w.rows);
+    add(0, blocks);
   } else {
     pool.parallel_for(num_rows, group_sums);
-    pool.parallel_for(w.rows, add);
+    pool.parallel_for(blocks, add);
   }
 }
 
@@ -524,8 +537,7 @@ void matrix_row(const PackedMatrix& w, int row, float* out) {
   const int j = row % kPanel;
   for (int i = 0; i < w.cols; ++i) out[i] = packed_at(w, p, i, j) * w.out_scale;
   if (!w.group_offsets.empty())
-    for (int i = 0; i < w.cols; ++i)
-      out[i] += w.group_offsets[size_t(row) * (w.cols / w.group_size) + i / w.group_size];
+    for (int i = 0; i < w.cols; ++i) out[i] += w.group_offsets[size_t(i / w.group_size) * w.rows + row];
 }
 
 void rms_norm(const float* x, const float* weight, int num_rows, int dim, float eps, float* y) {

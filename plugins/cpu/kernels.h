@@ -68,8 +68,9 @@ constexpr int kPanel = 64;
 struct PackedMatrix {
   std::vector<uint8_t> data;
   std::vector<uint8_t> group_scales;  // 4-bit formats only
-  // Asymmetric int4: [rows][groups] as stored. The kernels multiply the codes; linear() then adds
-  // sum over groups of offset x (the group's sum of inputs), the offsets' share of x . w.
+  // Asymmetric int4: [groups][rows] (transposed from the stored [rows][groups]). The kernels multiply
+  // the codes; linear() then adds sum over groups of offset x (the group's sum of inputs), the
+  // offsets' share of x . w.
   std::vector<float> group_offsets;
   WeightDtype dtype = WeightDtype::kF32;
   int rows = 0;

@@ -231,6 +231,14 @@ void int4_search_scales(const float* w, const float* importance, int64_t row_beg
 }
 
 namespace {
+#if defined(__AVX512F__)
+// 16 asymmetric codes clamp(rint((x - offset) / scale), -8, 7).
+inline __m512 asym_codes16(__m512 x, __m512 scale, __m512 offset) {
+  const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(x, offset), scale), _MM_FROUND_TO_NEAREST_INT);
+  return _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-8.0f)), _mm512_set1_ps(7.0f));
+}
+#endif
+
 // Asymmetric codes clamp(rint((w - offset) / scale), -8, 7) of a group and the weighted squared error of their
 // dequantization scale q + offset; with `refit`, (scale, offset) first move to the weighted least-squares fit for these
 // codes and the codes are taken again for it. Returns INFINITY where the fit is degenerate (one code, no weight).
@@ -241,15 +249,11 @@ float int4_group_error_asym(const float* w, const float* a, int n, float& scale,
     double s1 = 0, sq = 0, sqq = 0, sw = 0, swq = 0;
 #if defined(__AVX512F__)
     if (n % 16 == 0) {
-      const __m512 lo = _mm512_set1_ps(-8.0f), hi = _mm512_set1_ps(7.0f), vs = _mm512_set1_ps(scale),
-                   vm = _mm512_set1_ps(offset);
+      const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(offset);
       __m512 a1 = _mm512_setzero_ps(), aq = _mm512_setzero_ps(), aqq = _mm512_setzero_ps(), aw = _mm512_setzero_ps(),
              awq = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 16) {
-        const __m512 x = _mm512_loadu_ps(w + j), wt = _mm512_loadu_ps(a + j);
-        const __m512 q = _mm512_min_ps(
-            _mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(x, vm), vs), _MM_FROUND_TO_NEAREST_INT), lo),
-            hi);
+        const __m512 x = _mm512_loadu_ps(w + j), wt = _mm512_loadu_ps(a + j), q = asym_codes16(x, vs, vm);
         const __m512 wq = _mm512_mul_ps(wt, q);
         a1 = _mm512_add_ps(a1, wt);
         aq = _mm512_add_ps(aq, wq);
@@ -276,15 +280,11 @@ float int4_group_error_asym(const float* w, const float* a, int n, float& scale,
   float err = 0.0f;
 #if defined(__AVX512F__)
   if (n % 16 == 0) {
-    const __m512 lo = _mm512_set1_ps(-8.0f), hi = _mm512_set1_ps(7.0f), vs = _mm512_set1_ps(scale),
-                 vm = _mm512_set1_ps(offset);
+    const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(offset);
     __m512 acc = _mm512_setzero_ps();
     for (int j = 0; j < n; j += 16) {
       const __m512 x = _mm512_loadu_ps(w + j);
-      const __m512 q = _mm512_min_ps(
-          _mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(x, vm), vs), _MM_FROUND_TO_NEAREST_INT), lo),
-          hi);
-      const __m512 d = _mm512_sub_ps(x, _mm512_fmadd_ps(q, vs, vm));
+      const __m512 d = _mm512_sub_ps(x, _mm512_fmadd_ps(asym_codes16(x, vs, vm), vs, vm));
       acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(a + j), d), d, acc);
     }
     return _mm512_reduce_add_ps(acc);

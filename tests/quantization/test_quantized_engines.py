@@ -34,7 +34,7 @@ from precast.engine.tensors import linear_shapes
 from precast.errors import PrecastError
 from precast.quantization import awq
 from precast.quantization.quantize import fold_awq
-from precast.quantization.recipe import QuantOptions
+from precast.quantization.recipe import QuantOptions, parse_recipe_variant
 from precast.runtime.cpu_backend import make_cpu_runner
 from tests.conftest import TINY_CONFIGS, make_tiny_model
 
@@ -215,8 +215,7 @@ def hf_twin(engine, checkpoint, bf16_inputs: bool = False):
     return model
 
 
-VARIANTS = {"dynamic": {"activation_scales": "dynamic"}, "symmetric": {"asymmetric": False}}
-CASES = [  # recipe[:variant]
+CASES = [  # recipe[:variant] (precast.quantization.recipe.RECIPE_VARIANTS)
     ("llama", "fp8", False),
     ("qwen2", "fp8:dynamic", False),
     ("mixtral", "fp8:dynamic", True),
@@ -243,14 +242,15 @@ CASES = [  # recipe[:variant]
 @pytest.mark.parametrize("name,recipe,lm_head", CASES)
 def test_quantized_engine_matches_transformers_on_the_same_quantization(name, recipe, lm_head, tiny_checkpoints, tmp_path):
     out = tmp_path / "engine"
-    recipe, _, variant = recipe.partition(":")
+    variant = recipe.partition(":")[2]
+    recipe, fields = parse_recipe_variant(recipe)
     build_engine(
         BuildOptions(
             tiny_checkpoints[name],
             out,
             max_seq_len=256,  # longrope (phi): within the original context, as transformers runs a 40-token prompt
             progress=False,
-            quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB, **VARIANTS.get(variant, {})),
+            quant=QuantOptions(recipe=recipe, quantize_lm_head=lm_head, calib_tokens=CALIB, **fields),
         )
     )
     engine = load_engine(out)

@@ -88,3 +88,15 @@ def test_shape_the_format_cannot_take_names_the_layer():
 def test_bad_options(options, message):
     with pytest.raises(PrecastError, match=message):
         options.check()
+
+
+def test_named_recipe_variants_are_valid_options():
+    from precast.quantization.recipe import RECIPE_VARIANTS, parse_recipe_variant
+
+    assert parse_recipe_variant("int4_awq") == ("int4_awq", {})
+    for name in RECIPE_VARIANTS:
+        recipe, fields = parse_recipe_variant(name)
+        QuantOptions(recipe=recipe, **fields).check()  # every variant is a set of options its recipe takes
+    assert parse_recipe_variant("int4_awq:symmetric") == ("int4_awq", {"asymmetric": False})
+    with pytest.raises(PrecastError, match="unknown recipe variant 'fp8:g32'; known: fp8:dynamic"):
+        parse_recipe_variant("fp8:g32")
