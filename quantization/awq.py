@@ -102,8 +102,7 @@ def search_group_scales(
     w = np.ascontiguousarray(weight, dtype=np.float32)
     importance, threads = _channel_importance(inputs), num_threads or default_num_threads()
     if asymmetric:
-        scales, offsets = _C.int4_search_scales_offsets(w, importance, group_size, threads)
-        return scales, offsets
+        return _C.int4_search_scales_offsets(w, importance, group_size, threads)
     return _C.int4_search_scales(w, importance, group_size, threads), None
 
 

@@ -196,18 +196,21 @@ float int4_group_error(const float* w, const float* a, int n, float& scale, bool
 }  // namespace
 
 namespace {
-// out[r, g] = choose(group g of row r, its importance, max |group|) for rows [row_begin, row_end) of a [rows, cols]
-// weight in groups of group_size columns: the loop both scale searches share.
-template <typename Choose>
+// max |x| of values in [low, high] (+0 for a group of zeros of either sign).
+inline float max_abs(float low, float high) { return std::fabs(std::max(high, -low)); }
+
+// visit(group g of row r, its importance, the group's min and max, r * groups + g: where its results go) for rows
+// [row_begin, row_end) of a [rows, cols] weight in groups of group_size columns: the loop the scale searches share.
+template <typename Visit>
 void for_each_group(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
-                    int group_size, float* out, Choose&& choose) {
+                    int group_size, Visit&& visit) {
   const int groups = cols / group_size;
   for (int64_t r = row_begin; r < row_end; ++r) {
     for (int g = 0; g < groups; ++g) {
       const float* wg = w + r * cols + int64_t(g) * group_size;
-      float amax = 0.0f;
-      for (int j = 0; j < group_size; ++j) amax = std::max(amax, std::fabs(wg[j]));
-      out[r * groups + g] = choose(wg, importance + int64_t(g) * group_size, amax);
+      float low = INFINITY, high = -INFINITY;
+      for (int j = 0; j < group_size; ++j) low = std::min(low, wg[j]), high = std::max(high, wg[j]);
+      visit(wg, importance + int64_t(g) * group_size, low, high, r * groups + g);
     }
   }
 }
@@ -215,18 +218,20 @@ void for_each_group(const float* w, const float* importance, int64_t row_begin, 
 
 void int4_search_scales(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
                         int group_size, float* scales) {
-  for_each_group(w, importance, row_begin, row_end, cols, group_size, scales,
-                 [&](const float* wg, const float* ag, float amax) {
+  for_each_group(w, importance, row_begin, row_end, cols, group_size,
+                 [&](const float* wg, const float* ag, float low, float high, int64_t at) {
+                   const float amax = max_abs(low, high);
                    float best = amax / 7.0f;
-                   if (best == 0.0f) return best;
-                   float best_err = int4_group_error(wg, ag, group_size, best, false);
-                   for (int k = 1; k <= kInt4ScaleCandidates; ++k) {
-                     // from the plain scale down to half of it in equal steps, each refit
-                     float scale = amax / 7.0f * (1.0f - 0.5f * float(k) / float(kInt4ScaleCandidates));
-                     const float err = int4_group_error(wg, ag, group_size, scale, true);
-                     if (err < best_err) best_err = err, best = scale;
+                   if (best > 0.0f) {
+                     float best_err = int4_group_error(wg, ag, group_size, best, false);
+                     for (int k = 1; k <= kInt4ScaleCandidates; ++k) {
+                       // from the plain scale down to half of it in equal steps, each refit
+                       float scale = amax / 7.0f * (1.0f - 0.5f * float(k) / float(kInt4ScaleCandidates));
+                       const float err = int4_group_error(wg, ag, group_size, scale, true);
+                       if (err < best_err) best_err = err, best = scale;
+                     }
                    }
-                   return best;
+                   scales[at] = best;
                  });
 }
 
@@ -300,33 +305,28 @@ float int4_group_error_asym(const float* w, const float* a, int n, float& scale,
 
 void int4_search_scales_offsets(const float* w, const float* importance, int64_t row_begin, int64_t row_end, int cols,
                                 int group_size, float* scales, float* offsets) {
-  const int groups = cols / group_size;
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    for (int g = 0; g < groups; ++g) {
-      const float* wg = w + r * cols + int64_t(g) * group_size;
-      const float* ag = importance + int64_t(g) * group_size;
-      float low = INFINITY, high = -INFINITY;
-      for (int j = 0; j < group_size; ++j) low = std::min(low, wg[j]), high = std::max(high, wg[j]);
-      // The plain pair, as precast.engine.formats.quantize_int4 makes it.
-      float best_scale = (high - low) / 15.0f, best_offset = low + 8.0f * best_scale;
-      if (best_scale > 0.0f) {
-        float s = best_scale, m = best_offset;
-        float best_err = int4_group_error_asym(wg, ag, group_size, s, m, false);
-        for (int k = 0; k <= kInt4AsymSteps; ++k) {
-          const float step = best_scale * (1.0f - 0.5f * float(k) / float(kInt4AsymSteps));
-          // the grid's code -8 at the min, code 7 at the max, or its middle (code -0.5) at the group's middle
-          const float anchored[3] = {low + 8.0f * step, high - 7.0f * step, 0.5f * (low + high) + 0.5f * step};
-          for (float start : anchored) {
-            s = step, m = start;
-            const float err = int4_group_error_asym(wg, ag, group_size, s, m, true);
-            if (err < best_err) best_err = err, best_scale = s, best_offset = m;
-          }
-        }
-      }
-      scales[r * groups + g] = best_scale;
-      offsets[r * groups + g] = best_offset;
-    }
-  }
+  for_each_group(w, importance, row_begin, row_end, cols, group_size,
+                 [&](const float* wg, const float* ag, float low, float high, int64_t at) {
+                   // The plain pair, as precast.engine.formats.quantize_int4 makes it.
+                   float best_scale = (high - low) / 15.0f, best_offset = low + 8.0f * best_scale;
+                   if (best_scale > 0.0f) {
+                     float s = best_scale, m = best_offset;
+                     float best_err = int4_group_error_asym(wg, ag, group_size, s, m, false);
+                     for (int k = 0; k <= kInt4AsymSteps; ++k) {
+                       const float step = best_scale * (1.0f - 0.5f * float(k) / float(kInt4AsymSteps));
+                       // the grid's code -8 at the min, code 7 at the max, or its middle (code -0.5) at the middle
+                       const float anchored[3] = {low + 8.0f * step, high - 7.0f * step,
+                                                  0.5f * (low + high) + 0.5f * step};
+                       for (float start : anchored) {
+                         s = step, m = start;
+                         const float err = int4_group_error_asym(wg, ag, group_size, s, m, true);
+                         if (err < best_err) best_err = err, best_scale = s, best_offset = m;
+                       }
+                     }
+                   }
+                   scales[at] = best_scale;
+                   offsets[at] = best_offset;
+                 });
 }
 
 void nvfp4_search_block_scales(const float* w, const float* importance, float global_scale, int64_t row_begin,
@@ -348,19 +348,21 @@ void nvfp4_search_block_scales(const float* w, const float* importance, float gl
     return err;
 #endif
   };
-  for_each_group(w, importance, row_begin, row_end, cols, kNvfp4Block, block_scales,
-                 [&](const float* wb, const float* ab, float amax) {
-                   const float plain = round_to_e4m3(amax / (kFp4Max * global_scale));
-                   if (plain == 0.0f) return plain;
-                   float best = plain, best_err = error(wb, ab, plain);
-                   const int code = e4m3_bits(plain);  // positive E4M3 codes are ordered like their values
-                   for (int c = std::max(1, code - kNvfp4ScaleStepsDown); c <= std::min(0x7e, code + 1); ++c) {
-                     if (c == code) continue;
-                     const float scale = e4m3_to_float(uint8_t(c));
-                     const float err = error(wb, ab, scale);
-                     if (err < best_err) best_err = err, best = scale;
+  for_each_group(w, importance, row_begin, row_end, cols, kNvfp4Block,
+                 [&](const float* wb, const float* ab, float low, float high, int64_t at) {
+                   const float plain = round_to_e4m3(max_abs(low, high) / (kFp4Max * global_scale));
+                   float best = plain;
+                   if (plain > 0.0f) {
+                     float best_err = error(wb, ab, plain);
+                     const int code = e4m3_bits(plain);  // positive E4M3 codes are ordered like their values
+                     for (int c = std::max(1, code - kNvfp4ScaleStepsDown); c <= std::min(0x7e, code + 1); ++c) {
+                       if (c == code) continue;
+                       const float scale = e4m3_to_float(uint8_t(c));
+                       const float err = error(wb, ab, scale);
+                       if (err < best_err) best_err = err, best = scale;
+                     }
                    }
-                   return best;
+                   block_scales[at] = best;
                  });
 }
 
