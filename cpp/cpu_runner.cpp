@@ -231,8 +231,8 @@ void CpuRunner::allocate(KvPool& pool, int num_blocks, int tokens_per_block) con
   pool.k.clear();
   pool.v.clear();
   for (int i = 0; i < config_.num_layers; ++i) {
-    pool.k.emplace_back(new uint8_t[per_layer]);
-    pool.v.emplace_back(new uint8_t[per_layer]);
+    pool.k.emplace_back(static_cast<uint8_t*>(::operator new[](per_layer, std::align_val_t(64))));
+    pool.v.emplace_back(static_cast<uint8_t*>(::operator new[](per_layer, std::align_val_t(64))));
   }
   pool.tokens_per_block = tokens_per_block;
   pool.num_blocks = num_blocks;
@@ -311,7 +311,7 @@ std::vector<float> CpuRunner::evaluate_hidden(const float* hidden, int num_token
     rms_norm(x_.data(), final_norm_, num_tokens, H, config_.norm_eps, normed.data());
     observer_->observe(head_name(), normed.data(), num_tokens, H, H);
   }
-  return x_;
+  return std::vector<float>(x_.begin(), x_.end());
 }
 
 std::vector<float> CpuRunner::forward(const Batch& batch) {

@@ -152,8 +152,11 @@ class CpuRunner : public ModelRunner {
   // KV pools, one K and one V array per layer (float32 or E4M3 bytes). Left uninitialized on
   // purpose: a position is always written before it is read, and untouched pages cost no
   // physical memory.
+  struct CacheLineFree {
+    void operator()(uint8_t* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
   struct KvPool {
-    std::vector<std::unique_ptr<uint8_t[]>> k, v;
+    std::vector<std::unique_ptr<uint8_t[], CacheLineFree>> k, v;  // cache-line aligned
     int tokens_per_block = 0;
     int num_blocks = 0;
   };
@@ -189,8 +192,9 @@ class CpuRunner : public ModelRunner {
   KvPool serving_kv_;  // configure_kv's: block ids from the executor's KV manager
   KvPool eval_kv_;     // evaluate's own
   // Work buffers, grown to the largest batch seen.
-  std::vector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_, quantized_input_, row_scales_;
-  std::vector<float> router_logits_, expert_in_, expert_gate_up_, expert_act_, expert_y_;
+  // Cache-line aligned (kernels.h): the kernels' 64-byte loads and stores then never straddle two lines.
+  AlignedVector<float> x_, h_, qkv_, attn_, tmp_, gate_up_, act_, quantized_input_, row_scales_;
+  AlignedVector<float> router_logits_, expert_in_, expert_gate_up_, expert_act_, expert_y_;
   std::vector<std::vector<std::pair<int, float>>> expert_rows_;  // run_moe: per expert, its (token, weight)s
   ActivationObserver* observer_ = nullptr;                       // not owned
 };

@@ -423,7 +423,7 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
                  float input_scale, const float* row_scales, float* y) {
   if (w.dot == DotUnit::kFloat32 || w.cols % 32) throw std::invalid_argument("matrix is not packed for bf16 dots");
   const int cols = w.cols;
-  std::vector<uint16_t> xb(size_t(num_rows) * cols);
+  AlignedVector<uint16_t> xb(size_t(num_rows) * cols);
   pool.parallel_for(num_rows, [&](int64_t begin, int64_t end) {
     round_to_bf16(x + begin * cols, (end - begin) * cols, xb.data() + begin * cols);
   });
@@ -437,7 +437,7 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
   const int64_t row_chunks = num_rows >= 2 * kRowChunk ? (num_rows + kRowChunk - 1) / kRowChunk : 1;
   const int64_t chunk_rows = row_chunks == 1 ? num_rows : kRowChunk;
   pool.parallel_for(panels * row_chunks, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint16_t> widened;  // one whole panel as bf16 pairs (many row blocks)
+    thread_local AlignedVector<uint16_t> widened;  // one whole panel as bf16 pairs (many row blocks)
     alignas(64) uint16_t blocks[2 * kBlockPairs * kPairValues];
     alignas(64) float tmp[16 * kPanel];
     int configured_rows = 0;  // tile configuration: loaded by the first AMX row block of this call

@@ -6,13 +6,38 @@
 // in the same order whatever else is in the batch (batch invariance).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <string>
 #include <vector>
 
 #include "thread_pool.h"
 
 namespace precast {
+
+// Allocates on a cache line (64 bytes). AMX tile rows are 64 bytes: a row that straddles two
+// lines made a tile load about three times slower (benchmarks/amx_tiles.cpp), and std::vector's
+// large blocks start 16 bytes past a page.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const {
+    return false;
+  }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 enum class WeightDtype { kF32, kBF16, kF16, kFP8, kNVFP4, kINT4 };
 
@@ -66,8 +91,8 @@ void check_weight_view(const std::string& name, const WeightView& w, size_t valu
 constexpr int kPanel = 64;
 
 struct PackedMatrix {
-  std::vector<uint8_t> data;
-  std::vector<uint8_t> group_scales;  // 4-bit formats only
+  AlignedVector<uint8_t> data;
+  AlignedVector<uint8_t> group_scales;  // 4-bit formats only
   // Asymmetric int4: [groups][rows] (transposed from the stored [rows][groups]). The kernels multiply
   // the codes; linear() then adds sum over groups of offset x (the group's sum of inputs), the
   // offsets' share of x . w.

@@ -167,8 +167,8 @@ inline float load1(const uint8_t* p) { return e4m3_div256(*p); }
 // One tile: the query rows of one sequence and kv head, scores for keys [base, end).
 template <class T>
 void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const std::vector<QueryRow>& rows,
-                    float scale, float softcap, std::vector<KeyChunk>& chunks, std::vector<float>& scores,
-                    std::vector<float>& staged) {
+                    float scale, float softcap, std::vector<KeyChunk>& chunks, AlignedVector<float>& scores,
+                    AlignedVector<float>& staged) {
   const int B = c.tokens_per_block, D = c.head_dim, R = int(rows.size());
   constexpr bool kFp8 = std::is_same_v<T, uint8_t>;
   const float score_scale = kFp8 ? scale * c.k_scale * 256.0f : scale;
@@ -286,7 +286,7 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vec
   pool.parallel_for(n, [&](int64_t begin, int64_t end) {
     std::vector<QueryRow> rows;
     std::vector<KeyChunk> chunks;
-    std::vector<float> scores, staged;
+    AlignedVector<float> scores, staged;
     for (int64_t k = begin; k < end; ++k) {
       const Tile& tile = tiles[(k % 2 == 0) ? k / 2 : n - 1 - k / 2];
       const AttentionSequence& seq = seqs[tile.seq];
