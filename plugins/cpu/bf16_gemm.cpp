@@ -89,7 +89,6 @@ constexpr int kPairBytes = kPanel * 4;       // one input pair of a panel, in bf
 constexpr int kPairValues = kPairBytes / 2;  // the same in uint16 values
 
 constexpr float kE2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
-constexpr int kPrefetchBytes = 4096;  // quantized panels stream from DRAM slower than the prefetcher alone fetches
 
 // Quantized weights widened to bf16 pairs (the layout of a bf16 panel, kernels.h), one input
 // pair and 16 outputs (16v..16v+15, 64 bytes of bf16) at a time.
@@ -106,20 +105,22 @@ struct Widener {
 
   inline void pair(int kp, int v, uint16_t* dst) {
     if constexpr (DT == WeightDtype::kFP8) {
-      // Stored in pairs already. E4M3 -> bf16 with integer operations: a normal code's exponent
-      // and mantissa move into place and the exponent is rebiased (7 -> 127); the eight
-      // subnormal magnitudes (m x 2^-9) come from a table; the sign is or-ed in.
-      alignas(64) static const uint16_t kSubnormals[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+      // Stored in pairs already; widened to bf16 of value x 256 (PackedMatrix::pack folds the 256
+      // into out_scale) because that takes the fewest vector operations: a normal code's exponent
+      // and mantissa shifted into place are or-ed with exponent 128 (exponent e - 7 + 127 + 8,
+      // no addition needed); the eight subnormal magnitudes (m x 2^-9 x 256) come from a table;
+      // the sign, already in bit 15 of the sign-extended byte, is or-ed in last.
+      alignas(64) static const uint16_t kSubnormals[32] = {0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4020, 0x4040, 0x4060};
       const uint8_t* bytes = panel + int64_t(kp) * 2 * kPanel;
-      if (v % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes + 32 * v, _MM_HINT_T0);
-      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * v)));
-      __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7f)), 4),
-                                      _mm512_set1_epi16(120 << 7));
-      const __mmask32 subnormal = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
-      bits =
-          _mm512_mask_permutexvar_epi16(bits, subnormal, b, _mm512_load_si512(kSubnormals));  // index: low 5 bits = m
-      bits = _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(b, 8), _mm512_set1_epi16(short(0x8000)), 0xF8);
-      _mm512_storeu_si512(dst, bits);  // 0xF8: bits | (b << 8 & 0x8000)
+      if (v % 2 == 0) prefetch_stream(bytes + 32 * v, kPrefetchQuantized);
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * v)));
+      // (w << 4 & 0x07F0) | 0x4000; 0xEA: (a & b) | c.
+      __m512i bits = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x07F0),
+                                               _mm512_set1_epi16(0x4000), 0xEA);
+      const __mmask32 subnormal = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));
+      bits = _mm512_mask_permutexvar_epi16(bits, subnormal, w, _mm512_load_si512(kSubnormals));  // index: m
+      bits = _mm512_ternarylogic_epi32(bits, w, _mm512_set1_epi16(short(0x8000)), 0xF8);         // bits | (w & 0x8000)
+      _mm512_storeu_si512(dst, bits);
     } else if constexpr (DT == WeightDtype::kINT4) {
       // Pair nibbles (kernels.h) -> the codes' exact bf16 values; the group scales multiply the
       // group's partial sums instead (GroupScales). 16 bytes -> 16 words -> low nibbles then high
@@ -127,7 +128,7 @@ struct Widener {
       alignas(64) static const uint16_t kCodes[32] = {0,      0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
                                                       0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
       const uint8_t* bytes = panel + int64_t(kp) * kPanel;
-      if (v == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+      if (v == 0) prefetch_stream(bytes, kPrefetchQuantized);
       const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * v)));
       const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(words, _mm256_set1_epi16(0xF))),
                                                _mm256_srli_epi16(words, 4), 1);
@@ -145,7 +146,7 @@ struct Widener {
         scales[2 * v + 1] = _mm512_permutexvar_ps(_mm512_add_epi32(first_eight, _mm512_set1_epi32(8)), s);
       }
       const uint8_t* bytes = panel + int64_t(kp) * kPanel;
-      if (v == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+      if (v == 0) prefetch_stream(bytes, kPrefetchQuantized);
       const __m512 lut = _mm512_loadu_ps(kE2m1);
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * v)));
       const __m512 first = _mm512_mul_ps(_mm512_permutexvar_ps(codes, lut), scales[2 * v]);  // low 4 bits index
@@ -206,6 +207,7 @@ struct PairSource {
   const uint16_t* whole;  // the panel's pairs, or null: widen on demand into `blocks`
   uint16_t* blocks;       // two blocks of kBlockPairs pairs
   int next = 0;
+  bool streamed = false;  // `whole` is read by one row block only (a decode step): prefetch it
 
   const uint16_t* pairs(int kp_begin, int kp_end) {
     if (whole) return whole + int64_t(kp_begin) * kPairValues;
@@ -230,6 +232,8 @@ void avx512_rows(const uint16_t* x, int cols, PairSource& source, const GroupSca
     const uint16_t* b = source.pairs(kb, ke);
     for (int kp = kb; kp < ke; ++kp) {
       const uint16_t* bk = b + int64_t(kp - kb) * kPairValues;
+      if (source.streamed)
+        for (int line = 0; line < kPairBytes / 64; ++line) prefetch_stream(bk + 32 * line, kPrefetchBf16);
       const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk));
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 32));
       const __m512bh w2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(bk + 64));
@@ -314,6 +318,8 @@ void amx_rows(const uint16_t* x, int cols, int rows, PairSource& source, const G
     const uint16_t* b = source.pairs(kb, ke);
     for (int kp = kb; kp < ke; kp += 16) {
       const uint16_t* bk = b + int64_t(kp - kb) * kPairValues;
+      if (source.streamed)  // 16 pairs x 64 outputs of bf16, 64 lines, each read once
+        for (int line = 0; line < 16 * kPairBytes / 64; ++line) prefetch_stream(bk + 32 * line, kPrefetchBf16);
       _tile_loadd(4, x + 2 * kp, cols * 2);
       _tile_loadd(5, bk, kPairBytes);
       _tile_dpbf16ps(0, 4, 5);
@@ -440,7 +446,8 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
     thread_local AlignedVector<uint16_t> widened;  // one whole panel as bf16 pairs (many row blocks)
     alignas(64) uint16_t blocks[2 * kBlockPairs * kPairValues];
     alignas(64) float tmp[16 * kPanel];
-    int configured_rows = 0;  // tile configuration: loaded by the first AMX row block of this call
+    int configured_rows = 0;     // tile configuration: loaded by the first AMX row block of this call
+    int64_t widened_panel = -1;  // the panel `widened` holds for this chunk of items
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item / row_chunks, r0 = (item % row_chunks) * chunk_rows;
       const int n = int(std::min<int64_t>(chunk_rows, num_rows - r0));
@@ -449,9 +456,13 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
       const GroupScales groups(w, p);
       if (w.dtype == WeightDtype::kBF16) {
         source.whole = reinterpret_cast<const uint16_t*>(w.data.data() + size_t(p) * w.panel_bytes());
+        source.streamed = n <= block_rows;
       } else if (n > block_rows) {
-        widened.resize(size_t(cols / 2) * kPairValues);
-        widen(w, p, 0, cols / 2, widened.data());
+        if (widened_panel != p) {  // items are panel-major: a panel's row chunks follow one another
+          widened.resize(size_t(cols / 2) * kPairValues);
+          widen(w, p, 0, cols / 2, widened.data());
+          widened_panel = p;
+        }
         source.whole = widened.data();
       }
       for (int rb = 0; rb < n; rb += block_rows) {

@@ -99,9 +99,9 @@ float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
           panel, m.dot == DotUnit::kFloat32 ? i * kPanel + j : ((i / 2) * kPanel + j) * 2 + i % 2);
     case WeightDtype::kF16:
       return load_scalar<WeightDtype::kF16>(panel, i * kPanel + j);
-    case WeightDtype::kFP8:  // value / 256 for the FMA path; in pairs and the value itself on a dot unit
+    case WeightDtype::kFP8:  // value / 256 for the FMA path; in pairs and value x 256 on a dot unit
       if (m.dot == DotUnit::kFloat32) return load_scalar<WeightDtype::kFP8>(panel, i * kPanel + j);
-      return e4m3_to_float(panel[((i / 2) * kPanel + j) * 2 + i % 2]);
+      return e4m3_to_float(panel[((i / 2) * kPanel + j) * 2 + i % 2]) * 256.0f;
     default:
       break;
   }
@@ -176,10 +176,6 @@ template <WeightDtype DT>
 using Element =
     std::conditional_t<DT == WeightDtype::kF32, float, std::conditional_t<DT == WeightDtype::kFP8, uint8_t, uint16_t>>;
 
-// Quantized panels are consumed slower than DRAM streams them (conversion work per byte), and
-// the hardware prefetcher alone then leaves the loop waiting on memory: fetch ahead by hand.
-constexpr int kPrefetchBytes = 4096;
-
 // NR input rows x one 64-output panel: 4 x NR accumulators, one broadcast FMA per input
 // element and output vector.
 //
@@ -201,8 +197,9 @@ inline void panel_kernel(const float* x, int64_t x_stride, const PackedMatrix& w
   for (int i = i_begin; i < i_end; ++i) {
     const int64_t off = int64_t(i) * kPanel;
     if constexpr (DT != WeightDtype::kF32) {  // float32 is consumed fast enough for the hardware prefetcher
-      const char* ahead = reinterpret_cast<const char*>(panel) + off * sizeof(Element<DT>) + kPrefetchBytes;
-      for (size_t line = 0; line < sizeof(Element<DT>); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      const uint8_t* row = panel + off * sizeof(Element<DT>);  // kPanel elements: one line per element byte
+      constexpr int ahead = DT == WeightDtype::kFP8 ? kPrefetchQuantized : kPrefetchBf16;
+      for (size_t line = 0; line < sizeof(Element<DT>); ++line) prefetch_stream(row + 64 * line, ahead);
     }
     __m512 w0, w1, w2, w3;
     if constexpr (DT == WeightDtype::kFP8) {
@@ -245,7 +242,7 @@ inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatr
     }
     for (int i = g * w.group_size; i < (g + 1) * w.group_size; ++i) {
       const uint8_t* bytes = panel + int64_t(i) * (kPanel / 2);
-      if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetchBytes, _MM_HINT_T0);
+      if (i % 2 == 0) prefetch_stream(bytes, kPrefetchQuantized);
       const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
       const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
       const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(c0, lut), s[0]);
@@ -382,7 +379,7 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
         std::memcpy(m.data.data() + (p * w.cols * kPanel + ((i / 2) * kPanel + j) * 2 + i % 2) * es,
                     src + (o * w.cols + i) * es, es);
     }
-    if (w.dtype == WeightDtype::kFP8) m.out_scale = w.scale;  // widened to the value itself (bf16_gemm.cpp)
+    if (w.dtype == WeightDtype::kFP8) m.out_scale = w.scale / 256.0f;  // widened to value x 256 (bf16_gemm.cpp)
     return m;
   }
   if (!is_4bit(w.dtype)) {
@@ -466,8 +463,9 @@ void add_group_offsets(ThreadPool& pool, const float* x, int num_rows, const Pac
       }
     }
   };
-  // A decode step's few hundred thousand multiply-adds cost less than waking the workers.
-  if (int64_t(num_rows) * w.rows * groups < (int64_t(1) << 20)) {
+  // Small steps cost less than waking the workers; a decode step of a large matrix streams its
+  // offsets (rows x groups floats) from memory, on both threads.
+  if (int64_t(num_rows) * w.rows * groups < (int64_t(1) << 14)) {
     group_sums(0, num_rows);
     add(0, blocks);
   } else {

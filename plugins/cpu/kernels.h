@@ -101,7 +101,8 @@ struct PackedMatrix {
   int rows = 0;
   int cols = 0;
   int group_size = 0;  // 4-bit formats
-  // Multiplies every output: fp8 scale / nvfp4 global (x 256 where the float32 path widens / 256).
+  // Multiplies every output: fp8 scale / nvfp4 global (x 256 where the float32 path widens / 256,
+  // / 256 where the bf16 path widens fp8 to value x 256).
   float out_scale = 1.0f;
   DotUnit dot = DotUnit::kFloat32;
   // `dot` is the unit the matrix is multiplied on: the one asked for where the dtype and shape

@@ -1,4 +1,4 @@
-// Vector math shared by the CPU kernels.
+// Vector math and memory helpers shared by the CPU kernels.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -9,6 +9,18 @@ namespace precast {
 // The first n of 16 lanes (none for n <= 0, all for n >= 16): masks for a vector's valid tail.
 inline __mmask16 first_lanes(int n) {
   return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// Weights streamed once from DRAM (a decode step) leave the loop waiting on memory with the
+// hardware prefetcher alone: it keeps too few lines in flight. Called once per 64-byte line read
+// at `line`: one prefetch into L1 `ahead` bytes on and one into L2 four times as far. The
+// distances were tuned on a Xeon with AMX (Qwen2.5 1.5B batch-1 decode, fp8 +20%, bf16 +12%):
+// 4 KB for quantized weights, which are widened on the way, 8 KB for bf16, read twice as fast.
+constexpr int kPrefetchQuantized = 4096;
+constexpr int kPrefetchBf16 = 8192;
+inline void prefetch_stream(const void* line, int ahead) {
+  _mm_prefetch(static_cast<const char*>(line) + ahead, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(line) + 4 * ahead, _MM_HINT_T1);
 }
 
 // exp for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by

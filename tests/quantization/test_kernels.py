@@ -92,7 +92,7 @@ def _expected(x: np.ndarray, weight: np.ndarray, dot: str) -> np.ndarray:
 
 @pytest.mark.parametrize("dot", DOT_UNITS)
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4", "int4_asym"])
-@pytest.mark.parametrize("rows,cols,group", [(64, 64, 32), (100, 96, 32), (130, 576, 64), (7, 128, 128)])
+@pytest.mark.parametrize("rows,cols,group", [(64, 64, 32), (100, 96, 32), (130, 576, 64), (7, 128, 128), (300, 64, 32)])
 def test_quantized_linear_matches_dequantized_matmul(fmt, rows, cols, group, dot):
     w = (RNG.standard_normal((rows, cols)) * 0.1 + 0.05).astype(np.float32)
     dtype, values, scales, group_size, scale, dequantized, offsets = _stored(fmt, w, group)
