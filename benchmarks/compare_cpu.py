@@ -44,6 +44,16 @@ DECODE_TOKENS = 128
 PREFILL_TOKENS = 512
 LONG_PREFILL = 2048  # --long-prefill
 MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+
+
+def model_arg(name: str) -> str:
+    """--model: a packaged model's name or a prefix naming one only (`qwen2.5-coder-1.5b`)."""
+    matches = [m for m in MODELS if m == name] or [m for m in MODELS if m.startswith(name)]
+    if len(matches) != 1:
+        raise argparse.ArgumentTypeError(f"{name!r} names {len(matches)} packaged models; choose one of {', '.join(MODELS)}")
+    return matches[0]
+
+
 BATCH, BATCH_IN, BATCH_OUT = 32, 128, 128
 CHAT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
@@ -370,7 +380,7 @@ def llamacpp_files(shipped: Path, out: Path) -> dict[str, Path]:
 def main() -> None:
     global LONG_PREFILL
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="a packaged model (precast models)")
+    parser.add_argument("--model", type=model_arg, default=MODELS[0], help=f"a packaged model or a prefix of one: {', '.join(MODELS)}")
     parser.add_argument("--long-prefill", type=int, default=LONG_PREFILL, help="tokens of the long prefill (0: skip)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compare_cpu import FTYPES, MODELS, LlamaCpp, cpu_name, llamacpp_quantize, shipped_type  # benchmarks/ is on sys.path
+from compare_cpu import FTYPES, MODELS, LlamaCpp, cpu_name, llamacpp_quantize, model_arg, shipped_type  # benchmarks/ is on sys.path
 
 # Each build runs in its own process, so its peak memory is its own.
 _BUILD = """
@@ -98,7 +98,7 @@ def llamacpp_rows(gguf: Path, formats: list[str], windows, reference, chat, tmp:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="a packaged model (precast models)")
+    parser.add_argument("--model", type=model_arg, default=MODELS[0], help=f"a packaged model or a prefix of one: {', '.join(MODELS)}")
     parser.add_argument(
         "--recipes",
         nargs="*",

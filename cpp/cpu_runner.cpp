@@ -231,8 +231,8 @@ void CpuRunner::allocate(KvPool& pool, int num_blocks, int tokens_per_block) con
   pool.k.clear();
   pool.v.clear();
   for (int i = 0; i < config_.num_layers; ++i) {
-    pool.k.emplace_back(static_cast<uint8_t*>(::operator new[](per_layer, std::align_val_t(64))));
-    pool.v.emplace_back(static_cast<uint8_t*>(::operator new[](per_layer, std::align_val_t(64))));
+    pool.k.push_back(uninitialized_bytes(per_layer));
+    pool.v.push_back(uninitialized_bytes(per_layer));
   }
   pool.tokens_per_block = tokens_per_block;
   pool.num_blocks = num_blocks;

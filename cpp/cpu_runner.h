@@ -152,11 +152,8 @@ class CpuRunner : public ModelRunner {
   // KV pools, one K and one V array per layer (float32 or E4M3 bytes). Left uninitialized on
   // purpose: a position is always written before it is read, and untouched pages cost no
   // physical memory.
-  struct CacheLineFree {
-    void operator()(uint8_t* p) const { ::operator delete[](p, std::align_val_t(64)); }
-  };
   struct KvPool {
-    std::vector<std::unique_ptr<uint8_t[], CacheLineFree>> k, v;  // cache-line aligned
+    std::vector<CacheLineBytes> k, v;
     int tokens_per_block = 0;
     int num_blocks = 0;
   };

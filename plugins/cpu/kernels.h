@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -16,17 +17,19 @@
 
 namespace precast {
 
-// Allocates on a cache line (64 bytes). AMX tile rows are 64 bytes: a row that straddles two
-// lines made a tile load about three times slower (benchmarks/amx_tiles.cpp), and std::vector's
+// CPU buffers start on a cache line (64 bytes). AMX tile rows are 64 bytes: a row that straddles
+// two lines made a tile load about three times slower (benchmarks/amx_tiles.cpp), and glibc's
 // large blocks start 16 bytes past a page.
+constexpr std::align_val_t kCacheLine{64};
+
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
   CacheLineAllocator() = default;
   template <typename U>
   CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kCacheLine)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kCacheLine); }
   template <typename U>
   bool operator==(const CacheLineAllocator<U>&) const {
     return true;
@@ -38,6 +41,16 @@ struct CacheLineAllocator {
 };
 template <typename T>
 using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
+// Uninitialized bytes on a cache line, for buffers whose untouched pages should cost no memory
+// (KV pools; std::vector would zero them).
+struct CacheLineDelete {
+  void operator()(uint8_t* p) const { ::operator delete[](p, kCacheLine); }
+};
+using CacheLineBytes = std::unique_ptr<uint8_t[], CacheLineDelete>;
+inline CacheLineBytes uninitialized_bytes(size_t n) {
+  return CacheLineBytes(static_cast<uint8_t*>(::operator new[](n, kCacheLine)));
+}
 
 enum class WeightDtype { kF32, kBF16, kF16, kFP8, kNVFP4, kINT4 };
 
