@@ -40,10 +40,14 @@ from pathlib import Path
 
 import numpy as np
 
+from precast.packaged import PACKAGED_MODELS
+
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 512
 LONG_PREFILL = 2048  # --long-prefill
-MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+MODELS = list(PACKAGED_MODELS)  # SmolLM2 first: the default
+BATCH, BATCH_IN, BATCH_OUT = 32, 128, 128
+CHAT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
 
 def model_arg(name: str) -> str:
@@ -52,10 +56,6 @@ def model_arg(name: str) -> str:
     if len(matches) != 1:
         raise argparse.ArgumentTypeError(f"{name!r} names {len(matches)} packaged models; choose one of {', '.join(MODELS)}")
     return matches[0]
-
-
-BATCH, BATCH_IN, BATCH_OUT = 32, 128, 128
-CHAT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
 
 def cpu_name() -> str:
