@@ -392,6 +392,13 @@ PYBIND11_MODULE(_C, m) {
           "group_offsets: asymmetric int4's float32 [rows, groups].")
       .def("finalize", &CpuRunner::finalize)
       .def(
+          "kv_dtype",
+          [](const CpuRunner& r, int tokens_per_block) {
+            const KvElement e = r.kv_element(tokens_per_block);
+            return std::string(e == KvElement::kBf16 ? "bfloat16" : e == KvElement::kE4M3 ? "fp8" : "float32");
+          },
+          py::arg("tokens_per_block"), "What the KV cache holds for blocks of this many tokens.")
+      .def(
           "evaluate",
           [](CpuRunner& r, const std::vector<int>& tokens, bool logits) {
             std::vector<float> out;

@@ -221,8 +221,17 @@ CpuRunner::ReleaseFreedMemory::~ReleaseFreedMemory() {
 #endif
 }
 
+KvElement CpuRunner::kv_element(int tokens_per_block) const {
+  if (config_.kv_fp8) return KvElement::kE4M3;
+  // An engine whose matrices multiply on a bf16 unit keeps its KV in bf16 too, as HF's bf16 models
+  // do, and attends on that unit; float32 matmuls keep the float32 cache and attention.
+  const bool bf16_compute = config_.dtype == WeightDtype::kBF16 && !config_.float32_matmuls;
+  if (bf16_compute && bf16_kv_supported(tokens_per_block, config_.head_dim)) return KvElement::kBf16;
+  return KvElement::kFloat32;
+}
+
 int64_t CpuRunner::kv_block_bytes(int tokens_per_block) const {
-  const int64_t element = config_.kv_fp8 ? 1 : int64_t(sizeof(float));
+  const int64_t element = kv_element_bytes(kv_element(tokens_per_block));
   return int64_t(config_.num_layers) * 2 * config_.num_kv_heads * tokens_per_block * config_.head_dim * element;
 }
 
@@ -235,6 +244,7 @@ void CpuRunner::allocate(KvPool& pool, int num_blocks, int tokens_per_block) con
     pool.v.push_back(uninitialized_bytes(per_layer));
   }
   pool.tokens_per_block = tokens_per_block;
+  pool.element = kv_element(tokens_per_block);
   pool.num_blocks = num_blocks;
 }
 
@@ -405,7 +415,7 @@ void CpuRunner::run_layers(const Batch& batch, const KvPool& kv) {
                        kv.tokens_per_block,
                        c.num_kv_heads,
                        D,
-                       c.kv_fp8,
+                       kv.element,
                        c.kv_fp8 ? c.k_scales[li] : 1.0f,
                        c.kv_fp8 ? c.v_scales[li] : 1.0f};
     const bool local_rope = L.sliding && !c.local_inv_freq.empty();

@@ -99,6 +99,8 @@ class CpuRunner : public ModelRunner {
 
   int vocab_size() const override { return config_.vocab_size; }
   int64_t kv_block_bytes(int tokens_per_block) const override;
+  // What the KV cache holds for blocks of this many tokens (float32, bf16 for bf16-compute engines, E4M3).
+  KvElement kv_element(int tokens_per_block) const;
   void configure_kv(int num_blocks, int tokens_per_block) override;
   std::vector<float> forward(const Batch& batch) override;
   bool supports_all_logits() const override { return true; }
@@ -149,13 +151,14 @@ class CpuRunner : public ModelRunner {
   std::pair<int, int> moe_shape(const std::string& name) const;  // a mixture layer's tensors
   const Linear* matrix(const std::string& name) const;
   const float* vector(const std::string& name) const;
-  // KV pools, one K and one V array per layer (float32 or E4M3 bytes). Left uninitialized on
+  // KV pools, one K and one V array per layer (float32, bf16 or E4M3 bytes). Left uninitialized on
   // purpose: a position is always written before it is read, and untouched pages cost no
   // physical memory.
   struct KvPool {
     std::vector<CacheLineBytes> k, v;
     int tokens_per_block = 0;
     int num_blocks = 0;
+    KvElement element = KvElement::kFloat32;
   };
   void allocate(KvPool& pool, int num_blocks, int tokens_per_block) const;
   std::vector<float> run(const Batch& batch, bool all_logits, const KvPool& kv);

@@ -271,7 +271,8 @@ class LLM:
         """Enough for every request at full length, capped at a quarter of the machine's RAM: the total,
         not what happens to be free at start, so the same engine gets the same pool on every start."""
         full = config.max_batch_size * config.max_seq_len
-        per_token = self._runner.kv_block_bytes(1)
+        block = config.tokens_per_block  # the element can depend on the block size (the CPU's bf16 pairs)
+        per_token = self._runner.kv_block_bytes(block) / block
         device_cap = getattr(self._runner, "kv_memory_cap", lambda: None)()  # the cuda runner on a GPU: its memory
         cap = device_cap if device_cap is not None else total_ram_bytes() * DEFAULT_KV_FRACTION
         return int(min(full * per_token, cap))

@@ -74,9 +74,10 @@ def make_proposer(spec: Speculation, target: Engine, num_threads: int, kv_cache_
     config.draft_token_cost += (draft.path / WEIGHTS_FILE).stat().st_size / (target.path / WEIGHTS_FILE).stat().st_size
     # The draft keeps K/V for every request that drafts: max_draft_batch full-length sequences, within the
     # target's own budget (the draft's K/V per token is smaller than the target's).
-    full = max_draft_batch * limits.max_seq_len * runner.kv_block_bytes(1)
+    draft_limits = draft.config.limits
+    per_token = runner.kv_block_bytes(draft_limits.tokens_per_block) // draft_limits.tokens_per_block
+    full = max_draft_batch * limits.max_seq_len * per_token
     try:
-        draft_limits = draft.config.limits
         proposer = _C.DraftModelProposer(
             runner, min(full, kv_cache_bytes), draft_limits.tokens_per_block, draft_limits.max_seq_len, draft_limits.max_num_tokens
         )

@@ -327,6 +327,12 @@ def smollm2_llm(smollm2_bf16_engine):
     llm.shutdown()
 
 
+@pytest.fixture(scope="session")
+def smollm2_block_bytes(smollm2_llm) -> int:
+    """KV bytes of one 32-token block of the bf16 engine (bf16 or float32 elements: the runner decides)."""
+    return smollm2_llm._runner.kv_block_bytes(32)
+
+
 # Small calibration keeps CI fast; benchmarks/quality.py uses the full default (16 x 256 tokens).
 SMALL_CALIBRATION = dict(calib_samples=8, calib_seq_len=256)
 

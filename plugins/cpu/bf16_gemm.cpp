@@ -273,7 +273,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void configure_tiles(int rows) {
+}  // namespace
+
+void configure_amx_tiles(int rows) {
   TileConfig c;
   for (int t = 0; t < 7; ++t) {
     c.bytes_per_row[t] = 64;
@@ -281,6 +283,8 @@ void configure_tiles(int rows) {
   }
   _tile_loadconfig(&c);
 }
+
+namespace {
 
 // AMX: up to 16 rows x 64 outputs; per 32 inputs one A tile and four B tiles, four TDPBF16PS.
 // A row's result does not depend on the number of rows in the tile (tested).
@@ -410,7 +414,8 @@ void avx512_rows_any(int rows, const uint16_t* x, int cols, PairSource& source, 
   }
 }
 
-// Float32 -> bf16, round to nearest even (what torch's .to(bfloat16) does).
+}  // namespace
+
 void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -422,8 +427,6 @@ void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
     out[i] = uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
   }
 }
-
-}  // namespace
 
 void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,
                  float input_scale, const float* row_scales, float* y) {
@@ -456,7 +459,6 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
       const GroupScales groups(w, p);
       if (w.dtype == WeightDtype::kBF16) {
         source.whole = reinterpret_cast<const uint16_t*>(w.data.data() + size_t(p) * w.panel_bytes());
-        source.streamed = n <= block_rows;
       } else if (n > block_rows) {
         if (widened_panel != p) {  // items are panel-major: a panel's row chunks follow one another
           widened.resize(size_t(cols / 2) * kPairValues);
@@ -467,10 +469,12 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
       }
       for (int rb = 0; rb < n; rb += block_rows) {
         const int m = std::min(block_rows, n - rb);
+        // A bf16 panel comes from memory for the first row block of its first chunk, from cache after.
+        if (w.dtype == WeightDtype::kBF16) source.streamed = rb == 0 && r0 == 0;
         const uint16_t* xr = xb.data() + (r0 + rb) * int64_t(cols);
 #ifdef PRECAST_AMX
         if (amx) {
-          if (configured_rows != m) configure_tiles(m);
+          if (configured_rows != m) configure_amx_tiles(m);
           configured_rows = m;
           if (source.whole)
             amx_rows(xr, cols, m, source, groups, tmp);

@@ -44,4 +44,12 @@ bool multiplies_in_bf16(WeightDtype dtype, int cols, int group_size, DotUnit uni
 void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,
                  float input_scale, const float* row_scales, float* y);
 
+// Shared with the bf16 attention kernels (paged_attention_bf16.cpp); built only where the
+// compiler targets AVX512-BF16 (AMX for the second).
+// Float32 -> bf16, round to nearest even (what torch's .to(bfloat16) does).
+void round_to_bf16(const float* x, int64_t n, uint16_t* out);
+// Loads this thread's AMX tile configuration: tiles 0-3 C (`rows` x 16 float32), 4 A (`rows` x 32
+// bf16), 5 and 6 B (16 pairs x 16 columns of bf16 pairs). _tile_release() when done.
+void configure_amx_tiles(int rows);
+
 }  // namespace precast

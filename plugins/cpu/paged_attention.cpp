@@ -80,31 +80,6 @@ void qk_pass(const PagedKvLayer& c, int g, const float* q_t, const KeyChunk* ch,
   }
 }
 
-// p[i] = exp(s[i] - max) * value_scale / sum over the row's keys [first, last], 0 elsewhere
-// in [0, width). Lane i % 16 accumulates the sum whatever the row's range (zeros add exactly).
-void softmax_row(float* s, int width, int first, int last, float value_scale) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  auto valid = [&](int i) {
-    const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(i));
-    return __mmask16(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(first)) &
-                     _mm512_cmple_epi32_mask(idx, _mm512_set1_epi32(last)));
-  };
-  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes)
-    mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_maskz_loadu_ps(valid(i), s + i));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int i = 0; i < width; i += kLanes) {
-    const __mmask16 v = valid(i);
-    const __m512 e = _mm512_maskz_mov_ps(v, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(v, s + i), m)));
-    _mm512_storeu_ps(s + i, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  const __m512 inv = _mm512_set1_ps(value_scale / _mm512_reduce_add_ps(sum));
-  for (int i = first & ~(kLanes - 1); i <= last; i += kLanes)
-    _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
-}
-
 // out_r[d0 .. d0 + 64) = sum_j p_r[j] v_j[d0 .. d0 + 64), keys in order. p_t holds the rows'
 // probabilities transposed, [key - base][NR].
 template <class T, int NR>
@@ -242,14 +217,19 @@ void attention_tile(const PagedKvLayer& c, int g, const int* block_table, const 
 
 }  // namespace
 
+int kv_element_bytes(KvElement element) {
+  return element == KvElement::kFloat32 ? 4 : element == KvElement::kBf16 ? 2 : 1;
+}
+
 void write_kv(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v) {
+  if (cache.element == KvElement::kBf16) return write_kv_bf16(cache, block_table, position, k, v);
   const int block = block_table[position / cache.tokens_per_block];
   const int col = position % cache.tokens_per_block;
   const int D = cache.head_dim, B = cache.tokens_per_block;
   for (int g = 0; g < cache.num_kv_heads; ++g) {
     const float* kg = k + int64_t(g) * D;
     const float* vg = v + int64_t(g) * D;
-    if (!cache.fp8) {
+    if (cache.element == KvElement::kFloat32) {
       float* kt = cache.k_tile<float>(block, g) + col;
       for (int d = 0; d < D; ++d) kt[int64_t(d) * B] = kg[d];
       std::memcpy(cache.v_tile<float>(block, g) + int64_t(col) * D, vg, sizeof(float) * D);
@@ -267,6 +247,8 @@ void write_kv(const PagedKvLayer& cache, const int* block_table, int position, c
 void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
                      const float* q, int64_t q_stride, int num_heads, int window, float scale, float softcap,
                      float* out) {
+  if (cache.element == KvElement::kBf16)
+    return paged_attention_bf16(pool, cache, seqs, q, q_stride, num_heads, window, scale, softcap, out);
   // Work items are tiles: a few query tokens of one sequence times the heads sharing one kv
   // head (GQA), so each K/V element loaded serves every row of the tile. Causal attention
   // makes late tokens dearer than early ones; tiles are listed by token and dealt in zigzag
@@ -297,7 +279,7 @@ void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vec
         for (int h = tile.kv_head * group; h < (tile.kv_head + 1) * group; ++h)
           rows.push_back({q + row * q_stride + int64_t(h) * D, out + (row * num_heads + h) * D, lo, pos});
       }
-      if (cache.fp8)
+      if (cache.element == KvElement::kE4M3)
         attention_tile<uint8_t>(cache, tile.kv_head, seq.block_table, rows, scale, softcap, chunks, scores, staged);
       else
         attention_tile<float>(cache, tile.kv_head, seq.block_table, rows, scale, softcap, chunks, scores, staged);

@@ -6,7 +6,9 @@
 // horizontal sums. V tiles are token-major, [tokens_per_block][head_dim]. Elements are
 // float32, or E4M3 bytes with one K and one V scale per layer (fp8 KV cache: k = byte value
 // * k_scale). Token position p of a sequence lives in block block_table[p /
-// tokens_per_block], column / row p % tokens_per_block.
+// tokens_per_block], column / row p % tokens_per_block. bf16 caches, for engines that
+// multiply on a bf16 dot-product unit, store pairs instead (kBf16 below,
+// paged_attention_bf16.cpp).
 //
 // One kernel serves both phases: a context (prefill) chunk is several query tokens of a
 // sequence, a decode step is one. Query token t of a sequence attends to positions
@@ -23,14 +25,26 @@
 
 namespace precast {
 
+// What a cache element is. kBf16 tiles hold pairs for the bf16 dot-product units
+// (bf16_gemm.h): K [head_dim / 2][tokens_per_block][2], the pair (k[d], k[d + 1]) of each
+// token side by side; V [tokens_per_block / 2][head_dim][2], the pair (v_t[d], v_t+1[d]) of two
+// consecutive tokens side by side. 16 keys' pairs are one 64-byte row either way: an AMX
+// B tile row or one VDPBF16PS operand.
+enum class KvElement { kFloat32, kE4M3, kBf16 };
+int kv_element_bytes(KvElement element);
+// Whether a bf16 cache works for this shape on this process's dot-product unit: blocks of a
+// multiple of 32 tokens (one AMX step of keys, aligned to absolute positions) and heads of a
+// multiple of 32 elements.
+bool bf16_kv_supported(int tokens_per_block, int head_dim);
+
 struct PagedKvLayer {
   void* k = nullptr;
   void* v = nullptr;
   int tokens_per_block = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
-  bool fp8 = false;
-  float k_scale = 1.0f;  // fp8 only
+  KvElement element = KvElement::kFloat32;
+  float k_scale = 1.0f;  // kE4M3 only
   float v_scale = 1.0f;
   int64_t tile_index(int block, int kv_head) const {
     return (int64_t(block) * num_kv_heads + kv_head) * tokens_per_block * head_dim;
@@ -52,7 +66,7 @@ struct AttentionSequence {
   int token_offset = 0;  // first query row in the packed batch
 };
 
-// Store one token's K and V (num_kv_heads x head_dim each) at `position` (quantized for fp8).
+// Store one token's K and V (num_kv_heads x head_dim each) at `position` (rounded to the element).
 void write_kv(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v);
 
 // out[t, h * head_dim ...] for every query token t and head h; q rows have `q_stride` floats.
@@ -60,5 +74,12 @@ void write_kv(const PagedKvLayer& cache, const int* block_table, int position, c
 void paged_attention(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
                      const float* q, int64_t q_stride, int num_heads, int window, float scale, float softcap,
                      float* out);
+
+// paged_attention for a kBf16 cache (paged_attention_bf16.cpp): q and the probabilities are
+// rounded to bf16, products accumulate in float32.
+void paged_attention_bf16(ThreadPool& pool, const PagedKvLayer& cache, const std::vector<AttentionSequence>& seqs,
+                          const float* q, int64_t q_stride, int num_heads, int window, float scale, float softcap,
+                          float* out);
+void write_kv_bf16(const PagedKvLayer& cache, const int* block_table, int position, const float* k, const float* v);
 
 }  // namespace precast

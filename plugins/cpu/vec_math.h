@@ -4,6 +4,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cmath>
+
 namespace precast {
 
 // The first n of 16 lanes (none for n <= 0, all for n >= 16): masks for a vector's valid tail.
@@ -40,6 +42,30 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// p[i] = exp(s[i] - max) * value_scale / sum over the row's keys [first, last], 0 elsewhere
+// in [0, width). Lane i % 16 accumulates the sum whatever the row's range (zeros add exactly).
+inline void softmax_row(float* s, int width, int first, int last, float value_scale) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  auto valid = [&](int i) {
+    const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(i));
+    return __mmask16(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(first)) &
+                     _mm512_cmple_epi32_mask(idx, _mm512_set1_epi32(last)));
+  };
+  for (int i = first & ~(15); i <= last; i += 16)
+    mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_maskz_loadu_ps(valid(i), s + i));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < width; i += 16) {
+    const __mmask16 v = valid(i);
+    const __m512 e = _mm512_maskz_mov_ps(v, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(v, s + i), m)));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(value_scale / _mm512_reduce_add_ps(sum));
+  for (int i = first & ~(15); i <= last; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
 }
 
 }  // namespace precast

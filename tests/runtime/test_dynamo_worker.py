@@ -143,7 +143,7 @@ class FakePublisher:
         self.removed.append(block_hashes)
 
 
-def test_kv_events_reach_dynamos_publisher_as_it_expects(smollm2_bf16_engine, tmp_path):
+def test_kv_events_reach_dynamos_publisher_as_it_expects(smollm2_bf16_engine, tmp_path, smollm2_block_bytes):
     """What the worker hands Dynamo's KvEventPublisher: one call per stored block with its tokens, its hash as a signed
     64-bit integer and its parent's, in chain order; removals by the same hashes."""
     import argparse
@@ -156,7 +156,7 @@ def test_kv_events_reach_dynamos_publisher_as_it_expects(smollm2_bf16_engine, tm
     args = argparse.Namespace(no_kv_events=False)
     engine = PrecastDynamoEngine(args, "smol", tmp_path)
     # a pool of 8 blocks: the second prompt evicts the first one's cached blocks
-    engine.llm = LLM(smollm2_bf16_engine, kv_cache_memory=8 * 30 * 2 * 3 * 64 * 4 * B, kv_events=True)
+    engine.llm = LLM(smollm2_bf16_engine, kv_cache_memory=8 * smollm2_block_bytes, kv_events=True)
     publisher = FakePublisher()
     thread = threading.Thread(target=engine._publish, args=(publisher,))
     thread.start()

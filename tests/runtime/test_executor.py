@@ -69,13 +69,13 @@ def test_prefix_reuse(smollm2_llm):
     llm.check_integrity()
 
 
-def test_chunked_prefill_and_preemption_match_unconstrained(smollm2_bf16_engine, smollm2_llm):
+def test_chunked_prefill_and_preemption_match_unconstrained(smollm2_bf16_engine, smollm2_llm, smollm2_block_bytes):
     prompts = random_prompts(6, seed=5, lo=60, hi=120)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reference = [o.token_ids for o in smollm2_llm.generate(prompts, params)]
     # 16 blocks of 32 tokens hold ~3 of these requests at full length: the rest wait or get
     # preempted; 48 tokens per step forces every prompt through chunked prefill.
-    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48, prefix_reuse=False) as tight:
+    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * smollm2_block_bytes, max_num_tokens=48, prefix_reuse=False) as tight:
         assert tight.num_kv_blocks == 16
         outs = tight.generate(prompts, params)
         stats = tight.stats()
@@ -85,14 +85,14 @@ def test_chunked_prefill_and_preemption_match_unconstrained(smollm2_bf16_engine,
         tight.check_integrity()
 
 
-def test_prefix_statistics_count_each_request_once_under_retries_and_preemption(smollm2_bf16_engine):
+def test_prefix_statistics_count_each_request_once_under_retries_and_preemption(smollm2_bf16_engine, smollm2_block_bytes):
     """Requests that wait for memory are matched against the cache at every admission attempt, and a
     preempted one again when it is re-admitted; the statistics count each request's prompt once."""
     shared = random_prompts(1, seed=11, lo=96, hi=97)[0]
     tails = random_prompts(6, seed=12, lo=10, hi=60)
     prompts = [shared + tail for tail in tails]
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # 5 x ~8 blocks do not fit in 16
-    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48) as tight:
+    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * smollm2_block_bytes, max_num_tokens=48) as tight:
         assert tight.num_kv_blocks == 16
         first = tight.generate(prompts[0], params)  # caches the shared prefix
         before = tight.stats()
@@ -221,11 +221,11 @@ def test_executor_limits_cannot_exceed_the_engine(tiny_engines):
         LLM(tiny_engines["llama"], max_batch_size=10_000)
 
 
-def test_prompt_logprobs_survive_chunking_and_preemption(smollm2_bf16_engine, smollm2_llm):
+def test_prompt_logprobs_survive_chunking_and_preemption(smollm2_bf16_engine, smollm2_llm, smollm2_block_bytes):
     prompts = random_prompts(6, seed=9, lo=60, hi=120)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
     reference = smollm2_llm.generate(prompts, params)
-    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48, prefix_reuse=False) as tight:
+    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * smollm2_block_bytes, max_num_tokens=48, prefix_reuse=False) as tight:
         outs = tight.generate(prompts, params)
         assert tight.stats().preemptions > 0
         wait_idle(tight)

@@ -196,11 +196,11 @@ def test_free_requests_beside_guided_ones_are_unchanged(smollm2_llm):
     assert outs[0].token_ids == alone
 
 
-def test_preemption_and_chunked_prefill_keep_the_grammar_state(smollm2_bf16_engine, smollm2_llm):
+def test_preemption_and_chunked_prefill_keep_the_grammar_state(smollm2_bf16_engine, smollm2_llm, smollm2_block_bytes):
     prompts = [f"{PROMPT}Item {i}: " + "words " * (40 + 10 * i) for i in range(6)]
     params = [SamplingParams(json_schema=SCHEMAS[9], temperature=0.0, max_tokens=90, repetition_penalty=1.1) for _ in prompts]
     reference = [o.text for o in smollm2_llm.generate(prompts, params)]
-    with LLM(smollm2_bf16_engine, kv_cache_memory=10 * 30 * 2 * 3 * 64 * 4 * 32, max_num_tokens=48, prefix_reuse=False) as tight:
+    with LLM(smollm2_bf16_engine, kv_cache_memory=10 * smollm2_block_bytes, max_num_tokens=48, prefix_reuse=False) as tight:
         outs = tight.generate(prompts, params)
         assert tight.stats().preemptions > 0
         assert [o.text for o in outs] == reference

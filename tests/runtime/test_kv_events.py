@@ -15,10 +15,10 @@ from tests.runtime.test_server import free_port, start_server, stop_server
 B = 32  # tokens per block of the test engines
 
 
-def test_stored_blocks_chain_and_evictions_remove_them(smollm2_bf16_engine):
+def test_stored_blocks_chain_and_evictions_remove_them(smollm2_bf16_engine, smollm2_block_bytes):
     prompts = [[100 + i] + list(range(1000 + 200 * i, 1000 + 200 * i + 130)) for i in range(6)]
     # 16 blocks: the later prompts evict the earlier ones' cached blocks
-    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * 30 * 2 * 3 * 64 * 4 * B, kv_events=True) as llm:
+    with LLM(smollm2_bf16_engine, kv_cache_memory=16 * smollm2_block_bytes, kv_events=True) as llm:
         for p in prompts:
             llm.generate(p, SamplingParams(max_tokens=1, temperature=0))
         wait_idle(llm)

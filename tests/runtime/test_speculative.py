@@ -107,7 +107,7 @@ def test_draft_engine_greedy_identical(smollm2_engine, smollm2_bf16_engine, smol
         spec.check_integrity()
 
 
-def test_wrong_drafts_roll_back_under_preemption(smollm2_bf16_engine, smollm2_llm):
+def test_wrong_drafts_roll_back_under_preemption(smollm2_bf16_engine, smollm2_llm, smollm2_block_bytes):
     """Half-right scripted drafts, a KV pool so small that requests are preempted, blocks of 32 tokens crossed by
     rejected runs: every output equals plain decoding and the accounting audit passes."""
     prompts = [code_prompt(smollm2_llm)[: 40 + 13 * i] for i in range(6)]
@@ -115,8 +115,7 @@ def test_wrong_drafts_roll_back_under_preemption(smollm2_bf16_engine, smollm2_ll
     plain = smollm2_llm.generate(prompts, params)
     reference = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
     proposer = ScriptedProposer(reference, vocab=49152)
-    block_bytes = 30 * 2 * 3 * 64 * 4 * 32  # layers x (K, V) x kv heads x head_dim x float32 x tokens per block
-    with LLM(smollm2_bf16_engine, kv_cache_memory=14 * block_bytes, speculative=proposer, num_draft_tokens=6) as tight:
+    with LLM(smollm2_bf16_engine, kv_cache_memory=14 * smollm2_block_bytes, speculative=proposer, num_draft_tokens=6) as tight:
         outs = tight.generate(prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         stats = tight.stats()
