@@ -55,8 +55,7 @@ constexpr int kMaxRows = 16;  // query rows per tile: an AMX tile's rows
 constexpr int kQkRows = 6;    // VDPBF16PS: rows per QK pass, 6 rows x 2 key vectors = 12 accumulators
 constexpr int kPvRows = 4;    // VDPBF16PS: rows per PV pass, 4 rows x 4 output vectors = 16 accumulators
 
-// Element offsets inside a tile (paged_attention.h): K pair (d, d + 1) of token `col`, and V pair
-// (col, col + 1) of element d, for even d / col.
+// Element offsets inside a tile (layouts in paged_attention.h): element d of token col's K, and of its V.
 inline int64_t k_at(int tokens_per_block, int d, int col) {
   return int64_t(d / 2) * 2 * tokens_per_block + 2 * col + (d & 1);
 }
@@ -90,7 +89,7 @@ struct Steps {
     const int j = base + kStep * s;
     return c->k_tile<uint16_t>(block_table[j / c->tokens_per_block], kv_head) + 2 * (j % c->tokens_per_block);
   }
-  // V pairs of step s: the cache itself, or for a step past `end` a zero-padded copy in `tail`.
+  // V pairs of step s: the cache itself, or for the step that reaches past `end` a copy in `tail` with zeros there.
   const uint16_t* v(int s, AlignedVector<uint16_t>& tail) const {
     const int j = base + kStep * s, D = c->head_dim;
     const uint16_t* src =

@@ -18,29 +18,18 @@ import torch
 
 from precast import _C
 from precast.runtime import LLM, SamplingParams
-from tests.conftest import make_tiny_model
+from tests.conftest import TINY_CONFIGS, make_tiny_model
 
 pytestmark = pytest.mark.skipif(_C.dot_unit() == "float32", reason="this CPU has no bf16 dot-product unit")
 
-_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=128, head_dim=32)
+# The tiny models of tests/conftest.py with heads of 32 elements.
 CONFIGS = {
     # a window of 40: a query's first key falls inside a 32-key step
-    "mistral": ("mistral", dict(_BASE, num_attention_heads=4, num_key_value_heads=2, sliding_window=40)),
-    # soft-capped scores, windowed (layer 0) and global layers
-    "gemma2": (
-        "gemma2",
-        dict(
-            _BASE,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=40,
-            attn_logit_softcapping=4.0,
-            final_logit_softcapping=8.0,
-            query_pre_attn_scalar=32,
-        ),
-    ),
+    "mistral": ("mistral", dict(TINY_CONFIGS["mistral"][1], head_dim=32, sliding_window=40)),
+    # soft-capped scores, windowed and global layers
+    "gemma2": ("gemma2", dict(TINY_CONFIGS["gemma2"][1], head_dim=32, sliding_window=40, query_pre_attn_scalar=32)),
     # 20 query heads on one kv head: a group split over two tiles
-    "llama": ("llama", dict(_BASE, hidden_size=80, num_attention_heads=20, num_key_value_heads=1)),
+    "llama": ("llama", dict(TINY_CONFIGS["llama"][1], hidden_size=80, num_attention_heads=20, num_key_value_heads=1, head_dim=32)),
 }
 
 
@@ -50,7 +39,7 @@ def _engine(name: str, tmp_path):
     arch, kwargs = CONFIGS[name]
     model = make_tiny_model(arch, kwargs, seed=3)
     model.save_pretrained(tmp_path / "ckpt")
-    build_engine(BuildOptions(tmp_path / "ckpt", tmp_path / "e", dtype="bfloat16", max_seq_len=512, progress=False))
+    build_engine(BuildOptions(tmp_path / "ckpt", tmp_path / "e", dtype="bfloat16", max_seq_len=256, progress=False))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -91,8 +80,8 @@ def test_bf16_cache_matches_hf_and_is_batch_and_chunk_invariant(name, tmp_path):
         ids = prompt + out.token_ids
         want, theirs = (_teacher_forced(m, ids) for m in (model, hf_bf16))
         ours = np.array(out.prompt_logprobs[1:] + list(out.logprobs), dtype=float)
-        assert np.abs(ours - want).mean() <= np.abs(theirs - want).mean()  # measured 0.007-0.033 against 0.013-0.069
-        assert np.abs(ours - want).max() < 0.3  # measured <= 0.18 (HF bf16: <= 0.56)
+        assert np.abs(ours - want).mean() <= np.abs(theirs - want).mean()  # measured 0.006-0.040 against 0.021-0.096
+        assert np.abs(ours - want).max() < 0.5  # measured <= 0.35 (HF bf16: <= 0.60)
 
 
 def test_float32_matmuls_keep_a_float32_cache(tmp_path):
@@ -102,4 +91,4 @@ def test_float32_matmuls_keep_a_float32_cache(tmp_path):
     with LLM(engine, kv_cache_memory=16 << 20) as llm:
         # blocks of a size that is not a multiple of 32 keep the float32 layout
         assert llm._runner.kv_dtype(16) == "float32"
-        assert llm._runner.kv_block_bytes(32) == 2 * 2 * 2 * 32 * 32 * 2  # layers x K,V x kv heads x tokens x dim x 2 B
+        assert llm._runner.kv_block_bytes(32) == 3 * 2 * 2 * 32 * 32 * 2  # layers x (K, V) x kv heads x tokens x dim x 2 B
