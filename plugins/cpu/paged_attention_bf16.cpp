@@ -89,18 +89,25 @@ struct Steps {
     const int j = base + kStep * s;
     return c->k_tile<uint16_t>(block_table[j / c->tokens_per_block], kv_head) + 2 * (j % c->tokens_per_block);
   }
-  // V pairs of step s: the cache itself, or for the step that reaches past `end` a copy in `tail` with zeros there.
-  const uint16_t* v(int s, AlignedVector<uint16_t>& tail) const {
-    const int j = base + kStep * s, D = c->head_dim;
-    const uint16_t* src =
-        c->v_tile<uint16_t>(block_table[j / c->tokens_per_block], kv_head) + int64_t(j % c->tokens_per_block) * D;
-    const int n = end - j;
-    if (n >= kStep) return src;
+  const uint16_t* last_v = nullptr;  // the last step's V when it reaches past `end` (pad_last_step)
+  // V pairs of step s: the cache itself, or the padded copy of the last step.
+  const uint16_t* v(int s) const {
+    const int j = base + kStep * s;
+    if (s == count - 1 && last_v) return last_v;
+    return c->v_tile<uint16_t>(block_table[j / c->tokens_per_block], kv_head) +
+           int64_t(j % c->tokens_per_block) * c->head_dim;
+  }
+  // If the last step reaches past `end`, copies its V into `tail` with zeros there, once per tile.
+  void pad_last_step(AlignedVector<uint16_t>& tail) {
+    const int n = end - (base + kStep * (count - 1)), D = c->head_dim;
+    last_v = nullptr;
+    if (n >= kStep) return;
+    const uint16_t* src = v(count - 1);
     tail.assign(size_t(kStep) * D, 0);
     std::memcpy(tail.data(), src, sizeof(uint16_t) * 2 * D * (n / 2));
     if (n % 2)
       for (int d = 0; d < D; ++d) tail[v_at(D, n - 1, d)] = src[v_at(D, n - 1, d)];
-    return tail.data();
+    last_v = tail.data();
   }
 };
 
@@ -129,7 +136,7 @@ void amx_scores(const Steps& st, const uint16_t* q, float* scores, int width) {
   }
 }
 
-void amx_values(const Steps& st, const uint16_t* p, int width, AlignedVector<uint16_t>& tail, float* out) {
+void amx_values(const Steps& st, const uint16_t* p, int width, float* out) {
   const int D = st.c->head_dim;
   for (int d0 = 0; d0 < D; d0 += 64) {
     const bool four = d0 + 64 <= D;  // head_dim is a multiple of 32: 4 or 2 output tiles
@@ -138,7 +145,7 @@ void amx_values(const Steps& st, const uint16_t* p, int width, AlignedVector<uin
     _tile_zero(2);
     _tile_zero(3);
     for (int s = 0; s < st.count; ++s) {
-      const uint16_t* v = st.v(s, tail) + 2 * d0;
+      const uint16_t* v = st.v(s) + 2 * d0;
       _tile_loadd(4, p + kStep * s, width * 2);
       PRECAST_AMX_DOT(0, 5, v, 4 * D);
       PRECAST_AMX_DOT(1, 6, v + 32, 4 * D);
@@ -189,7 +196,7 @@ void dot_scores(const Steps& st, const uint16_t* q, float* scores, int width) {
 
 // VDPBF16PS: out[NR rows][d0 .. d0 + 16 NV) over the steps' key pairs in order.
 template <int NR, int NV>
-void dot_values(const Steps& st, const uint16_t* p, int width, AlignedVector<uint16_t>& tail, int d0, float* out) {
+void dot_values(const Steps& st, const uint16_t* p, int width, int d0, float* out) {
   const int D = st.c->head_dim;
   const uint32_t* p_pairs = reinterpret_cast<const uint32_t*>(p);
   __m512 acc[NR][NV];
@@ -198,7 +205,7 @@ void dot_values(const Steps& st, const uint16_t* p, int width, AlignedVector<uin
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int s = 0; s < st.count; ++s) {
-    const uint16_t* vs = st.v(s, tail) + 2 * d0;
+    const uint16_t* vs = st.v(s) + 2 * d0;
     for (int kp = 0; kp < kStep / 2; ++kp, vs += 2 * D) {
       __m512bh w[NV];
 #pragma GCC unroll 4
@@ -226,18 +233,17 @@ void dot_scores_rows(int nr, const Steps& st, const uint16_t* q, float* scores, 
 }
 
 template <int NR = kPvRows>
-void dot_values_rows(int nr, const Steps& st, const uint16_t* p, int width, AlignedVector<uint16_t>& tail, int d0,
-                     float* out) {
+void dot_values_rows(int nr, const Steps& st, const uint16_t* p, int width, int d0, float* out) {
   if constexpr (NR > 1) {
-    if (nr < NR) return dot_values_rows<NR - 1>(nr, st, p, width, tail, d0, out);
+    if (nr < NR) return dot_values_rows<NR - 1>(nr, st, p, width, d0, out);
   }
   if (d0 + 64 <= st.c->head_dim)
-    dot_values<NR, 4>(st, p, width, tail, d0, out);
+    dot_values<NR, 4>(st, p, width, d0, out);
   else
-    dot_values<NR, 2>(st, p, width, tail, d0, out);
+    dot_values<NR, 2>(st, p, width, d0, out);
 }
 
-void attention_tile(bool amx, const Steps& st, const Row* rows, int num_rows, float scale, float softcap, Scratch& w) {
+void attention_tile(bool amx, Steps& st, const Row* rows, int num_rows, float scale, float softcap, Scratch& w) {
   const int D = st.c->head_dim, width = st.count * kStep;
   w.q.resize(size_t(kMaxRows) * D);
   w.scores.resize(size_t(kMaxRows) * width);
@@ -261,13 +267,14 @@ void attention_tile(bool amx, const Steps& st, const Row* rows, int num_rows, fl
     round_to_bf16(s, width, w.p.data() + size_t(r) * width);
   }
   std::fill(w.p.begin() + size_t(num_rows) * width, w.p.end(), uint16_t(0));
+  st.pad_last_step(w.v_tail);
 #ifdef PRECAST_ATTN_AMX
-  if (amx) amx_values(st, w.p.data(), width, w.v_tail, w.out.data());
+  if (amx) amx_values(st, w.p.data(), width, w.out.data());
 #endif
   if (!amx)
     for (int r0 = 0; r0 < num_rows; r0 += kPvRows)
       for (int d0 = 0; d0 < D; d0 += 64)
-        dot_values_rows(std::min(kPvRows, num_rows - r0), st, w.p.data() + size_t(r0) * width, width, w.v_tail, d0,
+        dot_values_rows(std::min(kPvRows, num_rows - r0), st, w.p.data() + size_t(r0) * width, width, d0,
                         w.out.data() + size_t(r0) * D);
   for (int r = 0; r < num_rows; ++r) std::memcpy(rows[r].out, w.out.data() + size_t(r) * D, sizeof(float) * D);
 }
@@ -329,7 +336,7 @@ void paged_attention_bf16(ThreadPool& pool, const PagedKvLayer& cache, const std
         lo = std::min(lo, first), last = std::max(last, pos);
       }
       const int base = lo / kStep * kStep;
-      const Steps steps{&cache, tile.kv_head, base, last + 1, (last + 1 - base + kStep - 1) / kStep, seq.block_table};
+      Steps steps{&cache, tile.kv_head, base, last + 1, (last + 1 - base + kStep - 1) / kStep, seq.block_table};
       attention_tile(amx, steps, rows, num_rows, scale, softcap, scratch);
     }
 #ifdef PRECAST_ATTN_AMX

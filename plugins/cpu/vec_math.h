@@ -54,7 +54,7 @@ inline void softmax_row(float* s, int width, int first, int last, float value_sc
     return __mmask16(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(first)) &
                      _mm512_cmple_epi32_mask(idx, _mm512_set1_epi32(last)));
   };
-  for (int i = first & ~(15); i <= last; i += 16)
+  for (int i = first & ~15; i <= last; i += 16)
     mx = _mm512_mask_max_ps(mx, valid(i), mx, _mm512_maskz_loadu_ps(valid(i), s + i));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
@@ -65,7 +65,7 @@ inline void softmax_row(float* s, int width, int first, int last, float value_sc
     sum = _mm512_add_ps(sum, e);
   }
   const __m512 inv = _mm512_set1_ps(value_scale / _mm512_reduce_add_ps(sum));
-  for (int i = first & ~(15); i <= last; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  for (int i = first & ~15; i <= last; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
 }
 
 }  // namespace precast
