@@ -15,7 +15,10 @@ Measures (median of --repeats, spread min..max):
   32-way    output tokens/s for 32 concurrent requests of 128 prompt / 128 output tokens; llama.cpp through its
             low-level batch API with 32 sequences in one context (every step decodes one token of each)
 and this machine's memory bandwidth (STREAM-like read / copy / triad, all threads), with batch-1 decode as a
-fraction of its limit: weight bytes streamed per token / read bandwidth.
+fraction of its limit: weight bytes streamed per token / read bandwidth. Bytes streamed per token ("MiB read per
+token") leave out an embedding table that the LM head does not share (a token reads one row of it): the engines'
+files hold such a table (Qwen2.5-Coder-1.5B: 445 MiB in bf16, 125 in llama.cpp's Q4_K), and counting it inflated
+every "% of the limit" before 2026-12-07.
 
 llama-cpp-python builds from source (minutes): it lives in the `bench` extra, never installed by CI:
     pip install -e ".[bench]"
@@ -72,7 +75,7 @@ def cpu_name() -> str:
 class Result:
     engine: str
     family: str  # precast | transformers | llama.cpp
-    weight_bytes: int  # streamed per decode step (for the bandwidth limit)
+    weight_bytes: int  # streamed per decode step (for the bandwidth limit): not an embedding table the LM head does not share
     decode: list[float] = field(default_factory=list)
     prefill: list[float] = field(default_factory=list)
     prefill_long: list[float] = field(default_factory=list)  # LONG_PREFILL tokens
@@ -115,13 +118,23 @@ def cell(values: list[float], digits: int = 1) -> str:
 
 
 # ---------------------------------------------------------------------------------------- precast
+def precast_streamed_bytes(engine: Path) -> int:
+    """The weights a decode step reads: the whole weights file, less the embedding table where the LM head is a tensor
+    of its own (a token reads one row of the table)."""
+    from precast.engine.safetensors_file import SafetensorsFile
+
+    tensors = SafetensorsFile(engine / "weights.safetensors").tensors
+    total = (engine / "weights.safetensors").stat().st_size
+    return total - tensors["embed.weight"].nbytes if "lm_head.weight" in tensors and "embed.weight" in tensors else total
+
+
 def bench_precast(name: str, engine: Path, threads: int, repeats: int, chat_ids: list[int]) -> Result:
     from precast.runtime import LLM, SamplingParams
 
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(100, 40000, PREFILL_TOKENS).tolist()
     prompts = [rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)]
-    r = Result(name, "precast", (engine / "weights.safetensors").stat().st_size)
+    r = Result(name, "precast", precast_streamed_bytes(engine))
     greedy = dict(temperature=0, ignore_eos=True)
     with LLM(engine, num_threads=threads, prefix_reuse=False, kv_cache_memory=2 << 30) as llm:
         llm.generate(chat_ids, SamplingParams(max_tokens=8))  # warm-up
@@ -296,7 +309,7 @@ def _bench_llamacpp(name: str, path: Path, threads: int, repeats: int, chat_ids:
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(100, 40000, PREFILL_TOKENS).tolist()
     prompts = [rng.integers(100, 40000, BATCH_IN).tolist() for _ in range(BATCH)]
-    r = Result(name, "llama.cpp", path.stat().st_size)
+    r = Result(name, "llama.cpp", gguf_streamed_bytes(path))
     ll = LlamaCpp(path, threads, use_extra_bufts=extra)
     try:
         for rep in range(repeats + 1):  # the first round warms up
@@ -366,6 +379,15 @@ def llamacpp_quantize(source: Path, target: Path, label: str) -> Path:
     if lc.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
         raise RuntimeError(f"llama_model_quantize to {label} failed")
     return target
+
+
+def gguf_streamed_bytes(path: Path) -> int:
+    """A GGUF file's size less its token embedding table where it has a separate output (LM head) tensor."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    total = path.stat().st_size
+    return total - int(tensors["token_embd.weight"].n_bytes) if "output.weight" in tensors and "token_embd.weight" in tensors else total
 
 
 def llamacpp_files(shipped: Path, out: Path) -> dict[str, Path]:
@@ -444,6 +466,8 @@ def main() -> None:
 
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
             n = sum(p.numel() for p in model.parameters())  # tied: the embedding counted once
+            if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+                n -= model.get_input_embeddings().weight.numel()  # untied: a token reads one row of the table
             results.append(bench_hf("float32", model, threads, args.repeats, chat_ids, 4 * n))
             if "float32" in args.precast:
                 ab = prefill_ab(tmp_path / "float32", model, threads, max(5, 2 * args.repeats))
@@ -458,7 +482,7 @@ def main() -> None:
         f"triad {bandwidth['triad'] / 1e9:.1f}\n"
     )
     print(
-        f"| engine | family | weights MiB | batch-1 decode tok/s | of read-bandwidth limit | prefill tok/s (512) | prefill tok/s ({LONG_PREFILL}) | TTFT ms | 32-way tok/s |"
+        f"| engine | family | MiB read per token | batch-1 decode tok/s | of read-bandwidth limit | prefill tok/s (512) | prefill tok/s ({LONG_PREFILL}) | TTFT ms | 32-way tok/s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:

@@ -44,8 +44,8 @@ from pathlib import Path
 from precast.builder.build import BuildOptions, build_engine
 from precast.quantization.calibration import peak_rss_mb
 from precast.quantization.recipe import QuantOptions
-gguf, out, recipe, kv, head, variant = sys.argv[1:7]
-r = build_engine(BuildOptions(Path(gguf), Path(out), max_seq_len=2048, progress=False,
+gguf, out, recipe, kv, head, variant, dtype = sys.argv[1:8]
+r = build_engine(BuildOptions(Path(gguf), Path(out), max_seq_len=2048, progress=False, dtype=dtype or None,
                               quant=QuantOptions(recipe=recipe, kv_cache_dtype=kv, quantize_lm_head=head == "1",
                                                  **json.loads(variant))))
 print(json.dumps({"seconds": r.seconds, "peak_rss_mb": peak_rss_mb(),
@@ -64,9 +64,20 @@ def recipe_variant(spec: str) -> tuple[str, dict]:
         raise SystemExit(str(e)) from e
 
 
-def build(gguf: Path, out: Path, spec: str, kv: str, quantize_lm_head: bool) -> dict:
+def build(gguf: Path, out: Path, spec: str, kv: str, quantize_lm_head: bool, dtype: str | None) -> dict:
     recipe, variant = recipe_variant(spec)
-    cmd = [sys.executable, "-c", _BUILD, str(gguf), str(out), recipe, kv, "1" if quantize_lm_head else "0", json.dumps(variant)]
+    cmd = [
+        sys.executable,
+        "-c",
+        _BUILD,
+        str(gguf),
+        str(out),
+        recipe,
+        kv,
+        "1" if quantize_lm_head else "0",
+        json.dumps(variant),
+        dtype or "",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"building {recipe} failed: {done.stderr[-2000:]}")
@@ -116,8 +127,16 @@ def main() -> None:
         "--chat", action="store_true", help="also KL and top-1 on the float32 engine's own greedy chat answers to 24 prompts"
     )
     parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the recipes' engines' base dtype (default: the build's, float32 for GGUF); bfloat16 engines multiply on "
+        "the CPU's dot-product unit (int4 on int8 dots on AVX512-BF16 hosts), so their rows measure that arithmetic too",
+    )
     args = parser.parse_args()
 
+    from precast import _C
     from precast.builder.build import BuildOptions, build_engine
     from precast.engine.directory import load_engine
     from precast.packaged import packaged_model_path
@@ -150,11 +169,13 @@ def main() -> None:
             chat = (transcripts, reference_log_probs(reference, transcripts, threads))
         for recipe, kv in variants:
             out = Path(tmp) / f"{recipe.replace(':', '-')}-{kv}"
-            built = build(gguf, out, recipe, kv, args.quantize_lm_head)
+            built = build(gguf, out, recipe, kv, args.quantize_lm_head, args.dtype)
             ours, _ = compare(out, reference, windows, threads, reference=ref_lps)
             ours_chat = compare(out, reference, chat[0], threads, reference=chat[1])[0] if chat else None
             size = f"{(out / 'weights.safetensors').stat().st_size / 2**20:.1f}"
             name = f"{recipe} (head too)" if args.quantize_lm_head and recipe != "none" else recipe
+            if args.dtype:
+                name += f", {args.dtype} engine"
             calibration = f"{built['calibration'].get('seconds', 0):.1f}"
             rows.append((name, kv, ours, ours_chat, size, f"{built['seconds']:.1f}", calibration, f"{built['peak_rss_mb']}"))
             if args.weights_only and recipe_variant(recipe)[0] in ("fp8", "nvfp4") and kv == "auto":
@@ -165,7 +186,7 @@ def main() -> None:
             rows += llamacpp_rows(gguf, args.llamacpp or ["Q8_0", "Q4_K_M", "Q4_0"], windows, ref_lps, chat, Path(tmp), threads)
 
     print(
-        f"\n{args.model} (packaged GGUF: {shipped_type(gguf)}), {cpu_name()}, {threads} threads; held-out text "
+        f"\n{args.model} (packaged GGUF: {shipped_type(gguf)}), {cpu_name()}, dot unit {_C.dot_unit()}, {threads} threads; held-out text "
         f"{len(windows)} x 512 tokens ({ref.tokens} predictions); float32 perplexity {ref.perplexity:.3f}, "
         f"{ref_size / 2**20:.1f} MiB\n"
     )

@@ -10,6 +10,7 @@
 #include "check.h"
 #include "cpu/bf16_gemm.h"
 #include "cpu/cpu_features.h"
+#include "cpu/int8_gemm.h"
 #include "cpu/memory_bandwidth.h"
 #include "cpu/quantize.h"
 #include "cpu_runner.h"
@@ -154,6 +155,10 @@ PYBIND11_MODULE(_C, m) {
         return units;
       },
       "The dot-product units this host and build can use.");
+  m.def(
+      "int4_multiplies_in_int8", [](const std::string& unit) { return int4_multiplies_in_int8(parse_dot_unit(unit)); },
+      py::arg("unit"),
+      "Whether int4 matrices on this unit multiply in int8 (AVX512-VNNI; activations quantized per row and group).");
   m.def("best_isa", &best_isa, "The widest instruction set this host supports: 'avx512', 'avx2' or 'scalar'.");
   m.def(
       "compiled_isa",

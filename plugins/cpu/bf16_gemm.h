@@ -9,7 +9,8 @@
 // fp8, nvfp4 (E2M1 x E4M3 group scale has at most 6 significant bits) and int4 codes; int4's
 // float32 group scale multiplies each group's partial sum instead (groups of a multiple of 32
 // inputs), y = sum over groups of scale x (codes . x). float32 and float16 engines keep the float32
-// FMA path.
+// FMA path. Exception: int4 matrices on AVX512-BF16 (no AMX) multiply on the int8 dot products
+// instead (int8_gemm.h), twice as fast, with activations quantized to int8 per group.
 //
 // Invariance: every output row is one fixed sequence of dot-product instructions over the
 // inputs in order, 32 at a time (AMX) or 2 at a time (AVX512-BF16), whatever the number of

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "bf16_gemm.h"
+#include "int8_gemm.h"
 #include "quantize.h"
 #include "vec_math.h"
 
@@ -82,10 +83,17 @@ size_t element_bytes(WeightDtype dtype) {
   }
 }
 
-// The byte of a 4-bit panel in pair nibbles (kernels.h) that holds W[p * kPanel + j][i].
-inline int64_t pair_nibble_byte(int64_t i, int j) {
+// The byte of a 4-bit panel on a dot-product unit (kernels.h: int4 quad nibbles for int8 dots,
+// else pair nibbles) that holds W[p * kPanel + j][i], and whether in its high nibble.
+struct NibbleAt {
+  int64_t byte;
+  bool high;
+};
+inline NibbleAt dot_nibble(WeightDtype dtype, DotUnit unit, int64_t i, int j) {
   const int in_sixteen = j % 16;
-  return (i / 2) * kPanel + 16 * (j / 16) + 2 * (in_sixteen % 8) + i % 2;
+  if (dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(unit))
+    return {(i / 4) * 2 * kPanel + 64 * (j / 32) + 4 * in_sixteen + i % 4, j % 32 >= 16};
+  return {(i / 2) * kPanel + 16 * (j / 16) + 2 * (in_sixteen % 8) + i % 2, in_sixteen >= 8};
 }
 
 // Dequantized W[p * kPanel + j][i] without out_scale (portable paths and embedding rows).
@@ -109,9 +117,10 @@ float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
   if (m.dot == DotUnit::kFloat32) {
     const uint8_t byte = panel[i * (kPanel / 2) + j % 32];
     code = j < 32 ? byte & 0xf : byte >> 4;
-  } else {  // pair nibbles
-    const uint8_t byte = panel[pair_nibble_byte(i, j)];
-    code = j % 16 < 8 ? byte & 0xf : byte >> 4;
+  } else {
+    const NibbleAt at = dot_nibble(m.dtype, m.dot, i, j);
+    code = at.high ? panel[at.byte] >> 4 : panel[at.byte] & 0xf;
+    if (m.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot)) code ^= 8;  // stored as q + 8
   }
   const int64_t groups = m.cols / m.group_size, s = (p * groups + i / m.group_size) * kPanel + j;
   if (m.dtype == WeightDtype::kNVFP4)
@@ -400,12 +409,15 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
   for (int64_t o = 0; o < w.rows; ++o) {
     const int64_t p = o / kPanel, j = o % kPanel;
     uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
+    const uint8_t flip = w.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot) ? 8 : 0;  // q + 8
     for (int64_t i = 0; i < w.cols; ++i) {
-      const uint8_t code = (src[o * (w.cols / 2) + i / 2] >> (4 * (i % 2))) & 0xf;
+      const uint8_t code = ((src[o * (w.cols / 2) + i / 2] >> (4 * (i % 2))) & 0xf) ^ flip;
       if (m.dot == DotUnit::kFloat32)
         panel[i * (kPanel / 2) + j % 32] |= j < 32 ? code : uint8_t(code << 4);
+      else if (const NibbleAt at = dot_nibble(w.dtype, m.dot, i, int(j)); at.high)
+        panel[at.byte] |= uint8_t(code << 4);
       else
-        panel[pair_nibble_byte(i, j)] |= j % 16 < 8 ? code : uint8_t(code << 4);
+        panel[at.byte] |= code;
     }
     for (int64_t g = 0; g < groups; ++g)
       std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes,
@@ -520,6 +532,11 @@ void linear_float32(ThreadPool& pool, const float* x, int num_rows, const Packed
 
 void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y,
             float input_scale, const float* row_scales) {
+  if (w.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(w.dot)) {
+    // Adds asymmetric groups' offsets itself, for the inputs as it quantized them.
+    linear_int4_int8(pool, x, num_rows, w, bias, input_scale, row_scales, y);
+    return;
+  }
   if (w.dot != DotUnit::kFloat32) {
     linear_bf16(pool, x, num_rows, w, bias, input_scale, row_scales, y);
   } else {

@@ -101,6 +101,10 @@ void check_weight_view(const std::string& name, const WeightView& w, size_t valu
 // for j in 0..kPanel (256 bytes per pair in bf16, 128 in fp8). 4-bit panels there hold "pair
 // nibbles": per pair, 16 bytes for each 16 outputs 16v..16v+15, byte 2d + e holding input 2k + e
 // of output 16v + d in its low nibble and of output 16v + 8 + d in its high nibble (d < 8).
+// Except int4 panels for int8 dots (int8_gemm.h), in "quad nibbles": 128 bytes per input quad k
+// (inputs 4k..4k+3), byte 64h + 4d + e holding input 4k + e of output 32h + d in its low nibble
+// and of output 32h + 16 + d in its high one (d < 16), as q + 8 (0..15): masking and shifting
+// give VPDPBUSD's unsigned byte operands directly.
 constexpr int kPanel = 64;
 
 struct PackedMatrix {

@@ -1,4 +1,4 @@
-"""compare_cpu.py's --model takes a packaged model's name or a prefix naming one only."""
+"""compare_cpu.py: --model takes a packaged model's name or a prefix naming one only; what a decode step streams."""
 
 from __future__ import annotations
 
@@ -23,3 +23,32 @@ def test_full_names_and_unique_prefixes_resolve():
 def test_ambiguous_or_unknown_prefix_is_refused(name):
     with pytest.raises(argparse.ArgumentTypeError, match="packaged models; choose one of"):
         model_arg(name)
+
+
+def test_streamed_bytes_leave_out_an_embedding_table_the_head_does_not_share(tmp_path):
+    """The bandwidth limit divides by what a decode step reads: an untied embedding table is read one row per token."""
+    import gguf
+    import numpy as np
+    from compare_cpu import gguf_streamed_bytes, precast_streamed_bytes
+    from safetensors.numpy import save_file
+
+    embed, head, layer = (np.zeros(shape, np.float32) for shape in ((64, 16), (64, 16), (16, 16)))
+    for untied in (True, False):
+        engine = tmp_path / f"engine-{untied}"
+        engine.mkdir()
+        tensors = {"embed.weight": embed, "layers.0.mlp.down.weight": layer} | ({"lm_head.weight": head} if untied else {})
+        save_file(tensors, engine / "weights.safetensors")
+        size = (engine / "weights.safetensors").stat().st_size
+        assert precast_streamed_bytes(engine) == size - (embed.nbytes if untied else 0)
+
+        path = tmp_path / f"model-{untied}.gguf"
+        writer = gguf.GGUFWriter(path, "llama")
+        writer.add_tensor("token_embd.weight", embed)
+        writer.add_tensor("blk.0.ffn_down.weight", layer)
+        if untied:
+            writer.add_tensor("output.weight", head)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert gguf_streamed_bytes(path) == path.stat().st_size - (embed.nbytes if untied else 0)

@@ -90,6 +90,23 @@ def _expected(x: np.ndarray, weight: np.ndarray, dot: str) -> np.ndarray:
     return _bf16(x) @ weight.T.astype(np.float64)
 
 
+def _int8_rows(x: np.ndarray, group: int) -> np.ndarray:
+    """x as the int8 path sees it (plugins/cpu/int8_gemm.h): per row and group of `group` inputs, int8 codes
+    round(x x 127 / amax) (nearest even) times amax / 127."""
+    groups = x.reshape(len(x), -1, group).astype(np.float32)
+    amax = np.abs(groups).max(axis=2, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    codes = np.rint(groups * inverse)
+    return (codes * (amax / np.float32(127))).astype(np.float64).reshape(x.shape)
+
+
+def _expected_quantized(fmt: str, x: np.ndarray, dequantized: np.ndarray, group: int, dot: str) -> np.ndarray:
+    """_expected for a quantized format; int4 on a unit that multiplies it in int8 takes x quantized per group."""
+    if fmt.startswith("int4") and _C.int4_multiplies_in_int8(dot):
+        return _int8_rows(x, group) @ dequantized.T.astype(np.float64)
+    return _expected(x, dequantized, dot)
+
+
 @pytest.mark.parametrize("dot", DOT_UNITS)
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4", "int4_asym"])
 @pytest.mark.parametrize("rows,cols,group", [(64, 64, 32), (100, 96, 32), (130, 576, 64), (7, 128, 128), (300, 64, 32)])
@@ -99,7 +116,7 @@ def test_quantized_linear_matches_dequantized_matmul(fmt, rows, cols, group, dot
     for num_rows in (1, 2, 5, 6, 7, 13, 17, 40):  # every row-block size of the kernels and remainders
         x = RNG.standard_normal((num_rows, cols)).astype(np.float32)
         y = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, num_threads=2, dot=dot, group_offsets=offsets)
-        reference = _expected(x, dequantized, dot)
+        reference = _expected_quantized(fmt, x, dequantized, group, dot)
         np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
 
 

@@ -1,0 +1,192 @@
+#include "int8_gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "vec_math.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define PRECAST_INT8_DOTS 1
+#endif
+
+namespace precast {
+
+bool int4_multiplies_in_int8(DotUnit unit) {
+#ifdef PRECAST_INT8_DOTS
+  return unit == DotUnit::kAvx512Bf16 && cpu_features().avx512_vnni;
+#else
+  (void)unit;
+  return false;
+#endif
+}
+
+#ifdef PRECAST_INT8_DOTS
+namespace {
+
+constexpr int kQuadBytes = 2 * kPanel;  // one input quad of a panel: 4 inputs x 64 outputs, nibbles
+// 16 int32 accumulators, 4 weight vectors, a broadcast and the mask: 6 rows (24 accumulators) made
+// the compiler spill accumulators every quad, and 5 did too (Qwen2.5-1.5B shapes, 512 rows, AMD Zen 5:
+// 4 rows 520-700 GOPS, 5 rows 400-510, 6 rows 320-400; VDPBF16PS's bf16 path 390-430 GFLOP/s).
+constexpr int kBlockRows = 4;
+
+// Activations of one call quantized per row and group (int8_gemm.h).
+struct QuantizedRows {
+  AlignedVector<int8_t> values;  // [rows][cols]
+  std::vector<float> scales;     // [rows][groups]: amax / 127
+  std::vector<int32_t> sums;     // [rows][groups]: sum of the int8 values (the codes' +8 bias, below)
+};
+
+void quantize_row(const float* x, int cols, int group_size, int8_t* q, float* scales, int32_t* sums) {
+  for (int g = 0; g < cols / group_size; ++g) {
+    const float* xg = x + g * group_size;
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < group_size; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+    const float m = _mm512_reduce_max_ps(amax);
+    const __m512 inv = _mm512_set1_ps(m > 0 ? 127.0f / m : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < group_size; i += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));  // nearest even
+      sum = _mm512_add_epi32(sum, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * group_size + i), _mm512_cvtsepi32_epi8(v));
+    }
+    scales[g] = m / 127.0f;
+    sums[g] = _mm512_reduce_add_epi32(sum);
+  }
+}
+
+// NR rows x the 64 outputs of panel `p` into tmp[NR][64] (without out_scale and bias). Per input
+// quad: the quad nibbles (kernels.h) give four vectors of unsigned codes u = q + 8 with two ands
+// and a shift per 32 bytes, and each row's four int8 activations are broadcast to four VPDPBUSD.
+// Per group: (sum u x8 - 8 sum x8) is sum q x8 exactly; x activation scale x weight scale into tmp.
+template <int NR>
+void vnni_rows(const QuantizedRows& xq, int64_t row0, const PackedMatrix& w, int64_t p, bool streamed, float* tmp) {
+  const int valid = int(std::min<int64_t>(kPanel, w.rows - p * kPanel));
+  const bool offsets = !w.group_offsets.empty();
+  const int cols = w.cols, groups = cols / w.group_size, quads_per_group = w.group_size / 4;
+  const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
+  const float* wscales = reinterpret_cast<const float*>(w.group_scales.data()) + p * groups * kPanel;
+  const int8_t* x = xq.values.data() + row0 * cols;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  std::fill(tmp, tmp + NR * kPanel, 0.0f);
+  for (int g = 0; g < groups; ++g) {
+    __m512i acc[NR][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
+    for (int kq = g * quads_per_group; kq < (g + 1) * quads_per_group; ++kq) {
+      const uint8_t* b = panel + int64_t(kq) * kQuadBytes;
+      if (streamed) {
+        prefetch_stream(b, kPrefetchQuantized);
+        prefetch_stream(b + 64, kPrefetchQuantized);
+      }
+      const __m512i first = _mm512_loadu_si512(b), second = _mm512_loadu_si512(b + 64);
+      const __m512i w0 = _mm512_and_si512(first, low_nibbles);
+      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(first, 4), low_nibbles);
+      const __m512i w2 = _mm512_and_si512(second, low_nibbles);
+      const __m512i w3 = _mm512_and_si512(_mm512_srli_epi16(second, 4), low_nibbles);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, x + int64_t(r) * cols + 4 * kq, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
+        acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], w2, xb);
+        acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], w3, xb);
+      }
+    }
+    const float* s = wscales + int64_t(g) * kPanel;
+    // Asymmetric groups: offset x the group's sum of the quantized inputs (scale x sum of codes).
+    const float* off = offsets ? w.group_offsets.data() + int64_t(g) * w.rows + p * kPanel : nullptr;
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const int64_t at = (row0 + r) * groups + g;
+      const __m512i bias = _mm512_set1_epi32(8 * xq.sums[at]);
+      const __m512 xs = _mm512_set1_ps(xq.scales[at]);
+      const __m512 input_sum = _mm512_set1_ps(xq.scales[at] * float(xq.sums[at]));
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m512 partial = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], bias)), xs);
+        float* out = tmp + r * kPanel + 16 * v;
+        __m512 total = _mm512_fmadd_ps(partial, _mm512_loadu_ps(s + 16 * v), _mm512_loadu_ps(out));
+        if (off)
+          total = _mm512_fmadd_ps(input_sum, _mm512_maskz_loadu_ps(first_lanes(valid - 16 * v), off + 16 * v), total);
+        _mm512_storeu_ps(out, total);
+      }
+    }
+  }
+}
+
+void vnni_rows_any(int rows, const QuantizedRows& xq, int64_t row0, const PackedMatrix& w, int64_t p, bool streamed,
+                   float* tmp) {
+  static_assert(kBlockRows == 4);
+  switch (rows) {
+    case 4:
+      return vnni_rows<4>(xq, row0, w, p, streamed, tmp);
+    case 3:
+      return vnni_rows<3>(xq, row0, w, p, streamed, tmp);
+    case 2:
+      return vnni_rows<2>(xq, row0, w, p, streamed, tmp);
+    default:
+      return vnni_rows<1>(xq, row0, w, p, streamed, tmp);
+  }
+}
+
+}  // namespace
+
+void linear_int4_int8(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,
+                      float input_scale, const float* row_scales, float* y) {
+  if (w.dtype != WeightDtype::kINT4 || !int4_multiplies_in_int8(w.dot) || w.group_size % 32)
+    throw std::invalid_argument("matrix is not packed for int8 dots");
+  if (input_scale != 1.0f || row_scales)  // int4 layers take their inputs as they are (weight-only recipes)
+    throw std::invalid_argument("int4 layers take no input scale");
+  const int cols = w.cols, groups = cols / w.group_size;
+  QuantizedRows xq{AlignedVector<int8_t>(size_t(num_rows) * cols), std::vector<float>(size_t(num_rows) * groups),
+                   std::vector<int32_t>(size_t(num_rows) * groups)};
+  pool.parallel_for(num_rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * cols, cols, w.group_size, xq.values.data() + r * cols, xq.scales.data() + r * groups,
+                   xq.sums.data() + r * groups);
+  });
+  const float out_scale = w.out_scale;
+  const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
+  // Work items (row chunk, panel) as in linear_bf16: a panel is read from memory by its first
+  // row block and from cache by the others.
+  constexpr int kRowChunk = 96;
+  const int64_t row_chunks = num_rows >= 2 * kRowChunk ? (num_rows + kRowChunk - 1) / kRowChunk : 1;
+  const int64_t chunk_rows = row_chunks == 1 ? num_rows : kRowChunk;
+  pool.parallel_for(panels * row_chunks, [&](int64_t begin, int64_t end) {
+    alignas(64) float tmp[kBlockRows * kPanel];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / row_chunks, r0 = (item % row_chunks) * chunk_rows;
+      const int n = int(std::min<int64_t>(chunk_rows, num_rows - r0));
+      const int valid = int(std::min<int64_t>(kPanel, w.rows - p * kPanel));
+      for (int rb = 0; rb < n; rb += kBlockRows) {
+        const int m = std::min(kBlockRows, n - rb);
+        vnni_rows_any(m, xq, r0 + rb, w, p, rb == 0 && r0 == 0, tmp);
+        for (int r = 0; r < m; ++r) {
+          const int64_t row = r0 + rb + r;
+          float* yr = y + row * int64_t(w.rows) + p * kPanel;
+          const __m512 s = _mm512_set1_ps(out_scale);
+          for (int v = 0; v < 4 && valid > 16 * v; ++v) {
+            const __mmask16 mask = first_lanes(valid - 16 * v);
+            const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + p * kPanel + 16 * v) : _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(yr + 16 * v, mask, _mm512_fmadd_ps(_mm512_loadu_ps(tmp + r * kPanel + 16 * v), s, b));
+          }
+        }
+      }
+    }
+  });
+}
+#else
+void linear_int4_int8(ThreadPool&, const float*, int, const PackedMatrix&, const float*, float, const float*, float*) {
+  throw std::invalid_argument("this build of precast has no int8 dot-product kernels");
+}
+#endif
+
+}  // namespace precast
