@@ -89,10 +89,9 @@ struct NibbleAt {
   int64_t byte;
   bool high;
 };
-inline NibbleAt dot_nibble(WeightDtype dtype, DotUnit unit, int64_t i, int j) {
+inline NibbleAt dot_nibble(bool quad_nibbles, int64_t i, int j) {
   const int in_sixteen = j % 16;
-  if (dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(unit))
-    return {(i / 4) * 2 * kPanel + 64 * (j / 32) + 4 * in_sixteen + i % 4, j % 32 >= 16};
+  if (quad_nibbles) return {(i / 4) * 2 * kPanel + 64 * (j / 32) + 4 * in_sixteen + i % 4, j % 32 >= 16};
   return {(i / 2) * kPanel + 16 * (j / 16) + 2 * (in_sixteen % 8) + i % 2, in_sixteen >= 8};
 }
 
@@ -118,9 +117,10 @@ float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
     const uint8_t byte = panel[i * (kPanel / 2) + j % 32];
     code = j < 32 ? byte & 0xf : byte >> 4;
   } else {
-    const NibbleAt at = dot_nibble(m.dtype, m.dot, i, j);
+    const bool quad = m.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot);
+    const NibbleAt at = dot_nibble(quad, i, j);
     code = at.high ? panel[at.byte] >> 4 : panel[at.byte] & 0xf;
-    if (m.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot)) code ^= 8;  // stored as q + 8
+    if (quad) code ^= 8;  // stored as q + 8
   }
   const int64_t groups = m.cols / m.group_size, s = (p * groups + i / m.group_size) * kPanel + j;
   if (m.dtype == WeightDtype::kNVFP4)
@@ -406,15 +406,16 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
   const size_t scale_bytes = w.dtype == WeightDtype::kNVFP4 ? 1 : 4;
   m.group_scales.assign(size_t(panels * groups * kPanel) * scale_bytes, 0);
   const uint8_t* scales = static_cast<const uint8_t*>(w.group_scales);
+  const bool quad_nibbles = w.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot);  // once, not per nibble
   for (int64_t o = 0; o < w.rows; ++o) {
     const int64_t p = o / kPanel, j = o % kPanel;
     uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
-    const uint8_t flip = w.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot) ? 8 : 0;  // q + 8
+    const uint8_t flip = quad_nibbles ? 8 : 0;  // stored as q + 8
     for (int64_t i = 0; i < w.cols; ++i) {
       const uint8_t code = ((src[o * (w.cols / 2) + i / 2] >> (4 * (i % 2))) & 0xf) ^ flip;
       if (m.dot == DotUnit::kFloat32)
         panel[i * (kPanel / 2) + j % 32] |= j < 32 ? code : uint8_t(code << 4);
-      else if (const NibbleAt at = dot_nibble(w.dtype, m.dot, i, int(j)); at.high)
+      else if (const NibbleAt at = dot_nibble(quad_nibbles, i, int(j)); at.high)
         panel[at.byte] |= uint8_t(code << 4);
       else
         panel[at.byte] |= code;
