@@ -439,22 +439,17 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
   const bool amx = w.dot == DotUnit::kAmx;
   const int block_rows = amx ? 16 : 6;
   const float out_scale = w.out_scale * input_scale;
-  const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
-  // Work items are (row chunk, panel) pairs as in linear() (kernels.cpp); rows are computed
-  // the same way whichever item holds them.
-  constexpr int kRowChunk = 96;  // a multiple of both row-block heights (16 and 6)
-  const int64_t row_chunks = num_rows >= 2 * kRowChunk ? (num_rows + kRowChunk - 1) / kRowChunk : 1;
-  const int64_t chunk_rows = row_chunks == 1 ? num_rows : kRowChunk;
-  pool.parallel_for(panels * row_chunks, [&](int64_t begin, int64_t end) {
+  const PanelWork work(num_rows, w.rows);
+  pool.parallel_for(work.items(), [&](int64_t begin, int64_t end) {
     thread_local AlignedVector<uint16_t> widened;  // one whole panel as bf16 pairs (many row blocks)
     alignas(64) uint16_t blocks[2 * kBlockPairs * kPairValues];
     alignas(64) float tmp[16 * kPanel];
     int configured_rows = 0;     // tile configuration: loaded by the first AMX row block of this call
     int64_t widened_panel = -1;  // the panel `widened` holds for this chunk of items
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / row_chunks, r0 = (item % row_chunks) * chunk_rows;
-      const int n = int(std::min<int64_t>(chunk_rows, num_rows - r0));
-      const int valid = int(std::min<int64_t>(kPanel, w.rows - p * kPanel));
+    for (int64_t i = begin; i < end; ++i) {
+      const PanelWork::Item item = work.item(i);
+      const int64_t p = item.panel, r0 = item.first_row;
+      const int n = item.num_rows;
       PairSource source{w, p, nullptr, blocks};
       const GroupScales groups(w, p);
       if (w.dtype == WeightDtype::kBF16) {
@@ -470,7 +465,7 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
       for (int rb = 0; rb < n; rb += block_rows) {
         const int m = std::min(block_rows, n - rb);
         // A bf16 panel comes from memory for the first row block of its first chunk, from cache after.
-        if (w.dtype == WeightDtype::kBF16) source.streamed = rb == 0 && r0 == 0;
+        if (w.dtype == WeightDtype::kBF16) source.streamed = rb == 0 && item.first_chunk();
         const uint16_t* xr = xb.data() + (r0 + rb) * int64_t(cols);
 #ifdef PRECAST_AMX
         if (amx) {
@@ -486,15 +481,8 @@ void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMat
 #else
         avx512_rows_any(m, xr, cols, source, groups, tmp);
 #endif
-        for (int r = 0; r < m; ++r) {
-          float* yr = y + (r0 + rb + r) * int64_t(w.rows) + p * kPanel;
-          const __m512 s = _mm512_set1_ps(row_scales ? out_scale * row_scales[r0 + rb + r] : out_scale);
-          for (int v = 0; v < 4 && valid > 16 * v; ++v) {
-            const __mmask16 mask = first_lanes(valid - 16 * v);
-            const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + p * kPanel + 16 * v) : _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(yr + 16 * v, mask, _mm512_fmadd_ps(_mm512_loadu_ps(tmp + r * kPanel + 16 * v), s, b));
-          }
-        }
+        write_panel_rows(tmp, m, y + (r0 + rb) * int64_t(w.rows), w.rows, p, out_scale,
+                         row_scales ? row_scales + r0 + rb : nullptr, bias);
       }
     }
 #ifdef PRECAST_AMX

@@ -424,10 +424,11 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
       std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes,
                   scales + (o * groups + g) * scale_bytes, scale_bytes);
   }
-  if (w.group_offsets) {  // group-major, [groups][rows]: add_group_offsets runs along outputs
-    m.group_offsets.resize(size_t(w.rows) * groups);
+  if (w.group_offsets) {  // [panel][group][64] as the scales: a panel's offsets lie beside its weights
+    m.group_offsets.assign(size_t(panels * groups * kPanel), 0.0f);
     for (int64_t o = 0; o < w.rows; ++o)
-      for (int64_t g = 0; g < groups; ++g) m.group_offsets[size_t(g * w.rows + o)] = w.group_offsets[o * groups + g];
+      for (int64_t g = 0; g < groups; ++g)
+        m.group_offsets[size_t(((o / kPanel) * groups + g) * kPanel + o % kPanel)] = w.group_offsets[o * groups + g];
   }
   // nvfp4 group scales are E4M3 read as value / 256; the global scale carries the 256.
   m.out_scale = w.dtype == WeightDtype::kNVFP4 ? w.scale * 256.0f : 1.0f;
@@ -456,18 +457,17 @@ void add_group_offsets(ThreadPool& pool, const float* x, int num_rows, const Pac
       }
     }
   };
-  // Outputs in blocks of kOffsetBlock: per row, acc[o] += offset[k][o] * sum[k] for k in order (the offsets are stored
-  // group-major, so the inner loop runs along contiguous outputs and vectorizes), then y += acc.
-  constexpr int64_t kOffsetBlock = 256;
-  const int64_t blocks = (int64_t(w.rows) + kOffsetBlock - 1) / kOffsetBlock;
+  // One panel's outputs at a time: per row, acc[o] += offset[k][o] * sum[k] for k in order (a panel's offsets are
+  // stored group by group, so the inner loop runs along contiguous outputs and vectorizes), then y += acc.
+  const int64_t blocks = (int64_t(w.rows) + kPanel - 1) / kPanel;
   auto add = [&](int64_t begin, int64_t end) {
-    float acc[kOffsetBlock];
+    float acc[kPanel];
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t o0 = b * kOffsetBlock, n = std::min<int64_t>(kOffsetBlock, w.rows - o0);
+      const int64_t o0 = b * kPanel, n = std::min<int64_t>(kPanel, w.rows - o0);
       for (int64_t r = 0; r < num_rows; ++r) {
         std::fill(acc, acc + n, 0.0f);
         for (int k = 0; k < groups; ++k) {
-          const float* offsets = w.group_offsets.data() + int64_t(k) * w.rows + o0;
+          const float* offsets = w.group_offsets.data() + (b * groups + k) * kPanel;
           const float s = sums[size_t(r * groups + k)];
           for (int64_t o = 0; o < n; ++o) acc[o] += offsets[o] * s;
         }
@@ -490,19 +490,12 @@ void add_group_offsets(ThreadPool& pool, const float* x, int num_rows, const Pac
 // The float32 FMA path of linear().
 void linear_float32(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,
                     float* y) {
-  const int64_t panels = (int64_t(w.rows) + kPanel - 1) / kPanel;
-  // Work items are (row chunk, panel) pairs. A decode step has one row chunk; a prefill of
-  // hundreds of rows also splits its rows, so that a layer with few panels (576 outputs are
-  // 9 panels) still divides evenly among the threads. Rows are computed the same way
-  // whichever item holds them.
-  constexpr int kRowChunk = 96;  // a multiple of both register-tile heights (6 and 4 rows)
-  const int64_t row_chunks = num_rows >= 2 * kRowChunk ? (num_rows + kRowChunk - 1) / kRowChunk : 1;
-  const int64_t chunk_rows = row_chunks == 1 ? num_rows : kRowChunk;
-  pool.parallel_for(panels * row_chunks, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      // Panel-major: a thread finishes one panel's row chunks while the panel is still in its cache.
-      const int64_t p = item / row_chunks, r0 = (item % row_chunks) * chunk_rows;
-      const int n = int(std::min<int64_t>(chunk_rows, num_rows - r0));
+  const PanelWork work(num_rows, w.rows);
+  pool.parallel_for(work.items(), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const PanelWork::Item item = work.item(i);
+      const int64_t p = item.panel, r0 = item.first_row;
+      const int n = item.num_rows;
       const float* xr = x + r0 * w.cols;
       float* yr = y + r0 * w.rows;
       switch (w.dtype) {
@@ -553,7 +546,8 @@ void matrix_row(const PackedMatrix& w, int row, float* out) {
   const int j = row % kPanel;
   for (int i = 0; i < w.cols; ++i) out[i] = packed_at(w, p, i, j) * w.out_scale;
   if (!w.group_offsets.empty())
-    for (int i = 0; i < w.cols; ++i) out[i] += w.group_offsets[size_t(i / w.group_size) * w.rows + row];
+    for (int i = 0; i < w.cols; ++i)
+      out[i] += w.group_offsets[size_t((p * (w.cols / w.group_size) + i / w.group_size) * kPanel + j)];
 }
 
 void rms_norm(const float* x, const float* weight, int num_rows, int dim, float eps, float* y) {

@@ -6,6 +6,7 @@
 // in the same order whatever else is in the batch (batch invariance).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -110,9 +111,9 @@ constexpr int kPanel = 64;
 struct PackedMatrix {
   AlignedVector<uint8_t> data;
   AlignedVector<uint8_t> group_scales;  // 4-bit formats only
-  // Asymmetric int4: [groups][rows] (transposed from the stored [rows][groups]). The kernels multiply
-  // the codes; linear() then adds sum over groups of offset x (the group's sum of inputs), the
-  // offsets' share of x . w.
+  // Asymmetric int4: [panel][group][64] like the scales (from the stored [rows][groups]), read beside
+  // the panel's codes. The kernels multiply the codes; the offsets add sum over groups of offset x
+  // (the group's sum of inputs), their share of x . w (linear(), or the int8 kernel's epilogue).
   std::vector<float> group_offsets;
   WeightDtype dtype = WeightDtype::kF32;
   int rows = 0;
@@ -126,6 +127,33 @@ struct PackedMatrix {
   // allow it (multiplies_in_bf16), else float32.
   static PackedMatrix pack(const WeightView& w, DotUnit unit);
   size_t panel_bytes() const;  // bytes of one panel in `data`
+};
+
+// How every linear kernel divides a layer among threads: work items are (panel, chunk of rows) pairs,
+// panel-major, so a thread finishes one panel's row chunks while the panel is in its cache. A decode step
+// has one chunk; a prefill of hundreds of rows also splits its rows, so that a layer with few panels (576
+// outputs are 9 panels) still divides evenly among the threads. Rows are computed the same way whichever
+// item holds them (batch invariance).
+struct PanelWork {
+  static constexpr int kRowChunk = 96;  // a multiple of every kernel's row-block height (16, 6 and 4)
+  struct Item {
+    int64_t panel;
+    int64_t first_row;
+    int num_rows;
+    bool first_chunk() const { return first_row == 0; }  // the item that reads the panel from memory
+  };
+  PanelWork(int num_rows, int out_rows)
+      : num_rows(num_rows),
+        panels((int64_t(out_rows) + kPanel - 1) / kPanel),
+        row_chunks(num_rows >= 2 * kRowChunk ? (num_rows + kRowChunk - 1) / kRowChunk : 1),
+        chunk_rows(row_chunks == 1 ? num_rows : kRowChunk) {}
+  int64_t items() const { return panels * row_chunks; }
+  Item item(int64_t i) const {
+    const int64_t first = (i % row_chunks) * chunk_rows;
+    return {i / row_chunks, first, int(std::min<int64_t>(chunk_rows, num_rows - first))};
+  }
+  int num_rows;
+  int64_t panels, row_chunks, chunk_rows;
 };
 
 // y[r, o] = input_scale * row_scales[r] * sum_i x[r, i] * w[o, i] (+ bias[o]) for r < num_rows; x is

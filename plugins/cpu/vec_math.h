@@ -4,7 +4,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+
+#include "kernels.h"
 
 namespace precast {
 
@@ -23,6 +27,23 @@ constexpr int kPrefetchBf16 = 8192;
 inline void prefetch_stream(const void* line, int ahead) {
   _mm_prefetch(static_cast<const char*>(line) + ahead, _MM_HINT_T0);
   _mm_prefetch(static_cast<const char*>(line) + 4 * ahead, _MM_HINT_T1);
+}
+
+// Writes `num_rows` rows of a panel's kPanel outputs, tmp[r][kPanel], to y (rows of out_rows floats, the panel's
+// first output at column p * kPanel): y = tmp x scale (x row_scales[r] where given) + bias, only the panel's
+// valid outputs (the last panel of a layer may be partial).
+inline void write_panel_rows(const float* tmp, int num_rows, float* y, int64_t out_rows, int64_t p, float scale,
+                             const float* row_scales, const float* bias) {
+  const int valid = int(std::min<int64_t>(kPanel, out_rows - p * kPanel));
+  for (int r = 0; r < num_rows; ++r) {
+    float* yr = y + r * out_rows + p * kPanel;
+    const __m512 s = _mm512_set1_ps(row_scales ? scale * row_scales[r] : scale);
+    for (int v = 0; v < 4 && valid > 16 * v; ++v) {
+      const __mmask16 mask = first_lanes(valid - 16 * v);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + p * kPanel + 16 * v) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(yr + 16 * v, mask, _mm512_fmadd_ps(_mm512_loadu_ps(tmp + r * kPanel + 16 * v), s, b));
+    }
+  }
 }
 
 // exp for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), e^r by
