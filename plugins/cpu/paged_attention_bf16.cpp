@@ -250,7 +250,8 @@ void attention_tile(bool amx, Steps& st, const Row* rows, int num_rows, float sc
   w.p.resize(size_t(kMaxRows) * width);
   w.out.resize(size_t(kMaxRows) * D);
   for (int r = 0; r < num_rows; ++r) round_to_bf16(rows[r].q, D, w.q.data() + size_t(r) * D);
-  std::fill(w.q.begin() + size_t(num_rows) * D, w.q.end(), uint16_t(0));
+  // AMX tiles read all kMaxRows rows: rows past num_rows must be zeros (finite). AVX-512 reads num_rows rows only.
+  if (amx) std::fill(w.q.begin() + size_t(num_rows) * D, w.q.end(), uint16_t(0));
 #ifdef PRECAST_ATTN_AMX
   if (amx) amx_scores(st, w.q.data(), w.scores.data(), width);
 #endif
@@ -266,7 +267,7 @@ void attention_tile(bool amx, Steps& st, const Row* rows, int num_rows, float sc
     softmax_row(s, width, first, last, 1.0f);
     round_to_bf16(s, width, w.p.data() + size_t(r) * width);
   }
-  std::fill(w.p.begin() + size_t(num_rows) * width, w.p.end(), uint16_t(0));
+  if (amx) std::fill(w.p.begin() + size_t(num_rows) * width, w.p.end(), uint16_t(0));
   st.pad_last_step(w.v_tail);
 #ifdef PRECAST_ATTN_AMX
   if (amx) amx_values(st, w.p.data(), width, w.out.data());
