@@ -143,8 +143,7 @@ void vnni_rows_any(int rows, const QuantizedRows& xq, int64_t row0, const Packed
 
 void linear_int4_int8(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,
                       float input_scale, const float* row_scales, float* y) {
-  if (w.dtype != WeightDtype::kINT4 || !int4_multiplies_in_int8(w.dot) || w.group_size % 32)
-    throw std::invalid_argument("matrix is not packed for int8 dots");
+  if (!w.multiplies_in_int8() || w.group_size % 32) throw std::invalid_argument("matrix is not packed for int8 dots");
   if (input_scale != 1.0f || row_scales)  // int4 layers take their inputs as they are (weight-only recipes)
     throw std::invalid_argument("int4 layers take no input scale");
   const int cols = w.cols, groups = cols / w.group_size;

@@ -23,7 +23,7 @@ namespace precast {
 // build and CPU have AVX512-VNNI); their panels then hold "quad nibbles" (kernels.h).
 bool int4_multiplies_in_int8(DotUnit unit);
 
-// y[r] = w x[r] + bias for an int4 matrix packed for int8 (int4_multiplies_in_int8(w.dot)), its
+// y[r] = w x[r] + bias for an int4 matrix packed for int8 (w.multiplies_in_int8()), its
 // asymmetric groups' offsets included; int4 layers have no input scale (input_scale 1, no
 // row_scales: anything else is an error).
 void linear_int4_int8(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,

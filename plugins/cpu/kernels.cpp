@@ -117,7 +117,7 @@ float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
     const uint8_t byte = panel[i * (kPanel / 2) + j % 32];
     code = j < 32 ? byte & 0xf : byte >> 4;
   } else {
-    const bool quad = m.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot);
+    const bool quad = m.multiplies_in_int8();
     const NibbleAt at = dot_nibble(quad, i, j);
     code = at.high ? panel[at.byte] >> 4 : panel[at.byte] & 0xf;
     if (quad) code ^= 8;  // stored as q + 8
@@ -371,6 +371,8 @@ size_t PackedMatrix::panel_bytes() const {
   return is_4bit(dtype) ? size_t(cols) * (kPanel / 2) : size_t(cols) * kPanel * element_bytes(dtype);
 }
 
+bool PackedMatrix::multiplies_in_int8() const { return dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(dot); }
+
 PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
   PackedMatrix m;
   m.dot = multiplies_in_bf16(w.dtype, w.cols, w.group_size, unit) ? unit : DotUnit::kFloat32;
@@ -406,7 +408,7 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
   const size_t scale_bytes = w.dtype == WeightDtype::kNVFP4 ? 1 : 4;
   m.group_scales.assign(size_t(panels * groups * kPanel) * scale_bytes, 0);
   const uint8_t* scales = static_cast<const uint8_t*>(w.group_scales);
-  const bool quad_nibbles = w.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(m.dot);  // once, not per nibble
+  const bool quad_nibbles = m.multiplies_in_int8();  // once, not per nibble
   for (int64_t o = 0; o < w.rows; ++o) {
     const int64_t p = o / kPanel, j = o % kPanel;
     uint8_t* panel = m.data.data() + size_t(p) * m.panel_bytes();
@@ -526,7 +528,7 @@ void linear_float32(ThreadPool& pool, const float* x, int num_rows, const Packed
 
 void linear(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias, float* y,
             float input_scale, const float* row_scales) {
-  if (w.dtype == WeightDtype::kINT4 && int4_multiplies_in_int8(w.dot)) {
+  if (w.multiplies_in_int8()) {
     // Adds asymmetric groups' offsets itself, for the inputs as it quantized them.
     linear_int4_int8(pool, x, num_rows, w, bias, input_scale, row_scales, y);
     return;

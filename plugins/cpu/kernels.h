@@ -127,6 +127,8 @@ struct PackedMatrix {
   // allow it (multiplies_in_bf16), else float32.
   static PackedMatrix pack(const WeightView& w, DotUnit unit);
   size_t panel_bytes() const;  // bytes of one panel in `data`
+  // An int4 matrix packed for the int8 dot products (int8_gemm.h): panels in quad nibbles, codes as q + 8.
+  bool multiplies_in_int8() const;
 };
 
 // How every linear kernel divides a layer among threads: work items are (panel, chunk of rows) pairs,
