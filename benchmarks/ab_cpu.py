@@ -115,13 +115,10 @@ def main() -> None:
             proc.stdin.close()
             proc.wait()
 
-    def cpu() -> str:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-        return "unknown CPU"
+    # Here, not at the top: compare_cpu imports precast, which a worker must not do before load_library.
+    from compare_cpu import cpu_name  # benchmarks/ is on sys.path when a script here runs
 
-    print(f"\n{args.kind} ({tokens} tokens), {args.rounds} rounds alternating, {cpu()}, {args.threads} threads")
+    print(f"\n{args.kind} ({tokens} tokens), {args.rounds} rounds alternating, {cpu_name()}, {args.threads} threads")
     print("| contender | median tok/s (min..max) | ratio to the first, median (min..max) |")
     print("| --- | --- | --- |")
     for (spec, _, _), rs in zip(contenders, rates):

@@ -16,18 +16,12 @@ import statistics
 import time
 
 import numpy as np
+from compare_cpu import cpu_name  # benchmarks/ is on sys.path when a script here runs
 
 SHAPES = {  # (out, in) of each linear layer
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
     "qwen2.5-coder-1.5b": {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)},
 }
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def rounds(ours_call, torch_call, repeats: int) -> tuple[list[float], list[float]]:
