@@ -43,7 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.packaged import PACKAGED_MODELS
+from precast.errors import PrecastError
+from precast.packaged import PACKAGED_MODELS, resolve_model_name
 
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 512
@@ -55,10 +56,10 @@ CHAT = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
 def model_arg(name: str) -> str:
     """--model: a packaged model's name or a prefix naming one only (`qwen2.5-coder-1.5b`)."""
-    matches = [m for m in MODELS if m == name] or [m for m in MODELS if m.startswith(name)]
-    if len(matches) != 1:
-        raise argparse.ArgumentTypeError(f"{name!r} names {len(matches)} packaged models; choose one of {', '.join(MODELS)}")
-    return matches[0]
+    try:
+        return resolve_model_name(name)
+    except PrecastError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def cpu_name() -> str:

