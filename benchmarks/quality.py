@@ -14,11 +14,16 @@ quality (the table marks it). The same holds for precast's asymmetric int4 with 
 store Q4_1's and Q4_K's 32-value blocks exactly (a float32 scale and offset per block), so on these references it
 can come out near lossless by construction.
 
+--dither scores every engine against a grid-free stand-in of the model instead (benchmarks/dithered_source.py: the
+packaged weights dequantized and moved by uniform noise of +-half a quantization step, written as F16), from which
+precast and llama.cpp both quantize: the way to rank formats against each other here, since no full-precision
+checkpoint is packaged. Its rows are that stand-in's losses, not the shipped model's.
+
 --chat adds KL and top-1 agreement on chat transcripts: the float32 engine's greedy answers to 24 prompts
 (precast.quantization.quality.CHAT_PROMPTS) in its chat template, teacher-forced through each engine.
 
     python benchmarks/quality.py [--model qwen2.5-coder-1.5b-instruct] [--recipes fp8 nvfp4 int4_awq]
-        [--quantize-lm-head] [--llamacpp [Q8_0 Q4_K_M Q4_0]] [--kv-fp8] [--weights-only] [--windows N] [--chat]
+        [--quantize-lm-head] [--llamacpp [Q8_0 Q4_K_M Q4_0]] [--kv-fp8] [--weights-only] [--windows N] [--chat] [--dither]
 
 --weights-only adds, for fp8 and nvfp4, the same engine run with activation quantization switched off: what the
 weights alone cost (a diagnostic; the recipes always quantize activations).
@@ -36,6 +41,7 @@ import time
 from pathlib import Path
 
 from compare_cpu import FTYPES, MODELS, LlamaCpp, cpu_name, llamacpp_quantize, model_arg, shipped_type  # benchmarks/ is on sys.path
+from dithered_source import dither_gguf
 
 # Each build runs in its own process, so its peak memory is its own.
 _BUILD = """
@@ -126,6 +132,9 @@ def main() -> None:
     parser.add_argument(
         "--chat", action="store_true", help="also KL and top-1 on the float32 engine's own greedy chat answers to 24 prompts"
     )
+    parser.add_argument(
+        "--dither", action="store_true", help="quantize from and score against a grid-free F16 stand-in (dithered_source.py)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="default: all cores this process may use")
     parser.add_argument(
         "--dtype",
@@ -151,12 +160,13 @@ def main() -> None:
             raise SystemExit(f"--llamacpp needs llama-cpp-python ({e}): pip install -e '.[bench]' (builds from source, minutes)") from e
     for spec in args.recipes:  # before minutes of builds
         recipe_variant(spec)
-    gguf = packaged_model_path(args.model)
+    packaged = packaged_model_path(args.model)
     variants = [(r, "auto") for r in args.recipes]
     if args.kv_fp8:
         variants += [("none", "fp8")] + [(r, "fp8") for r in args.recipes]
     rows = []  # (name, KV cache, Quality, chat Quality or None, weights MiB, build s, calibration s, peak RSS MB)
     with tempfile.TemporaryDirectory() as tmp:
+        gguf = dither_gguf(packaged, Path(tmp) / "dithered.gguf") if args.dither else packaged
         reference = Path(tmp) / "float32"
         build_engine(BuildOptions(gguf, reference, max_seq_len=2048, progress=False))
         windows = heldout_windows(load_engine(reference), 512, args.windows)
@@ -185,8 +195,9 @@ def main() -> None:
         if args.llamacpp is not None:
             rows += llamacpp_rows(gguf, args.llamacpp or ["Q8_0", "Q4_K_M", "Q4_0"], windows, ref_lps, chat, Path(tmp), threads)
 
+    source = ", dequantized and dithered to F16 (dithered_source.py): the reference and every row's source" if args.dither else ""
     print(
-        f"\n{args.model} (packaged GGUF: {shipped_type(gguf)}), {cpu_name()}, dot unit {_C.dot_unit()}, {threads} threads; held-out text "
+        f"\n{args.model} (packaged GGUF: {shipped_type(packaged)}{source}), {cpu_name()}, dot unit {_C.dot_unit()}, {threads} threads; held-out text "
         f"{len(windows)} x 512 tokens ({ref.tokens} predictions); float32 perplexity {ref.perplexity:.3f}, "
         f"{ref_size / 2**20:.1f} MiB\n"
     )
