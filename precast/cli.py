@@ -326,7 +326,7 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="keep matching layers in full precision (fnmatch on names like layers.0.attn.qkv, *.mlp.down); repeatable",
     )
-    qg.add_argument("--group-size", type=int, help="int4_awq group size (default: the largest of 128, 64, 32 dividing the layer's input)")
+    qg.add_argument("--group-size", type=int, help="int4_awq group size (default: 64, or 32 where 64 does not divide the layer's input)")
     qg.add_argument(
         "--activation-scales",
         default="static",
@@ -342,7 +342,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--symmetric",
         action="store_true",
         help="int4_awq: groups centred on zero (a scale each) instead of asymmetric groups (a scale and an offset each: "
-        "less quality loss, 0.25 more bits per weight at groups of 128)",
+        "less quality loss, 0.25 more bits per weight at groups of 64)",
     )
     qg.add_argument(
         "--skip-unsupported",

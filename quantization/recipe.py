@@ -29,7 +29,7 @@ class QuantOptions:
     kv_cache_dtype: str = "auto"
     quantize_lm_head: bool = False
     exclude: tuple[str, ...] = ()
-    group_size: int | None = None  # int4_awq: None = the largest of 128, 64, 32 dividing each layer's input
+    group_size: int | None = None  # int4_awq: None = 64, or 32 where 64 does not divide the input
     scale_search: bool = True  # int4_awq / nvfp4: search each group's (block's) scale instead of rounding from its max
     asymmetric: bool = True  # int4_awq: a float32 offset per group beside its scale (False: --symmetric)
     activation_scales: str = "static"  # fp8: "static" (calibrated, per tensor) or "dynamic" (per token at run time)
@@ -75,6 +75,7 @@ RECIPE_VARIANTS: dict[str, dict[str, Any]] = {
     "int4_awq:symmetric": {"asymmetric": False},  # groups centred on zero, a scale each (no offset)
     "int4_awq:symmetric-no-search": {"asymmetric": False, "scale_search": False},  # max|group| / 7, the first recipe
     "int4_awq:g32": {"group_size": 32},
+    "int4_awq:g128": {"group_size": 128},  # the default before bf16 group scales
     "int4_awq:g32-no-search": {"group_size": 32, "scale_search": False},
     "int4_awq:g32-symmetric": {"group_size": 32, "asymmetric": False},
     "nvfp4:no-search": {"scale_search": False},  # block scales e4m3(max|block| / (6 x global)), as before the search

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "bf16.h"
 #include "cpu_features.h"
 #include "quantize.h"
 #include "vec_math.h"
@@ -139,7 +140,7 @@ struct Widener {
       // each lands in pair order. E2M1 x E4M3 group scale is exact in bf16.
       if (2 * kp / m.group_size != group[v]) {  // group sizes are even: a pair never straddles two groups
         group[v] = 2 * kp / m.group_size;
-        const int64_t at = (p * (m.cols / m.group_size) + group[v]) * kPanel + 16 * v;
+        const int64_t at = m.group_at(p, group[v]) + 16 * v;
         const __m512 s = e4m3x16_div256(m.group_scales.data() + at);
         const __m512i first_eight = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         scales[2 * v] = _mm512_permutexvar_ps(first_eight, s);
@@ -177,22 +178,22 @@ void widen(const PackedMatrix& m, int64_t p, int kp_begin, int kp_end, uint16_t*
 // float32 scales and added to the row's total, total = fma(partial, scale, total), group by group.
 // Other formats have none (`scales` null): their single sum is the total.
 struct GroupScales {
-  const float* scales = nullptr;  // the panel's [group][kPanel] scales
+  const uint16_t* scales = nullptr;  // the panel's [group][kPanel] scales (bf16)
   int group_size = 0;
 
   GroupScales(const PackedMatrix& m, int64_t p) {
     if (m.dtype != WeightDtype::kINT4) return;
     group_size = m.group_size;
-    scales = reinterpret_cast<const float*>(m.group_scales.data()) + p * (m.cols / m.group_size) * kPanel;
+    scales = m.int4_scales(p, 0);
   }
   bool ends_group(int inputs_done) const { return scales && inputs_done % group_size == 0; }
   // total[r][0..64) += partial[r][0..64) x the scales of the group that ends before input `inputs_done`.
   void add(const float* partial, int rows, int inputs_done, float* total) const {
-    const float* s = scales + int64_t(inputs_done / group_size - 1) * kPanel;
+    const uint16_t* s = scales + int64_t(inputs_done / group_size - 1) * kPanel;
     for (int r = 0; r < rows; ++r)
       for (int v = 0; v < 4; ++v) {
         const int at = r * kPanel + 16 * v;
-        _mm512_storeu_ps(total + at, _mm512_fmadd_ps(_mm512_loadu_ps(partial + at), _mm512_loadu_ps(s + 16 * v),
+        _mm512_storeu_ps(total + at, _mm512_fmadd_ps(_mm512_loadu_ps(partial + at), widen_bf16x16(s + 16 * v),
                                                      _mm512_loadu_ps(total + at)));
       }
   }
@@ -421,11 +422,7 @@ void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
-  for (; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, 4);
-    out[i] = uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-  }
+  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
 }
 
 void linear_bf16(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, const float* bias,

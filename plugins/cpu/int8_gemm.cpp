@@ -39,12 +39,21 @@ constexpr int kBlockRows = 6;
 
 // Activations of one call quantized per row and group (int8_gemm.h).
 struct QuantizedRows {
+  QuantizedRows(int num_rows, int cols, int groups)
+      : values(size_t(num_rows) * cols),
+        scales(size_t(num_rows) * groups),
+        code_bias(size_t(num_rows) * groups),
+        input_sums(size_t(num_rows) * groups) {}
   AlignedVector<int8_t> values;  // [rows][cols]
   std::vector<float> scales;     // [rows][groups]: amax / 127
-  std::vector<int32_t> sums;     // [rows][groups]: sum of the int8 values (the codes' +8 bias, below)
+  // [rows][groups]: -8 x the sum of the group's int8 values, where a group's accumulators start: the weight codes
+  // are q + 8, so sum (q + 8) x8 starting from -8 sum x8 ends at sum q x8.
+  std::vector<int32_t> code_bias;
+  std::vector<float> input_sums;  // [rows][groups]: scale x the sum of the int8 values (asymmetric groups' offsets)
 };
 
-void quantize_row(const float* x, int cols, int group_size, int8_t* q, float* scales, int32_t* sums) {
+void quantize_row(const float* x, int cols, int group_size, int8_t* q, float* scales, int32_t* code_bias,
+                  float* input_sums) {
   for (int g = 0; g < cols / group_size; ++g) {
     const float* xg = x + g * group_size;
     __m512 amax = _mm512_setzero_ps();
@@ -57,30 +66,34 @@ void quantize_row(const float* x, int cols, int group_size, int8_t* q, float* sc
       sum = _mm512_add_epi32(sum, v);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * group_size + i), _mm512_cvtsepi32_epi8(v));
     }
+    const int32_t total = _mm512_reduce_add_epi32(sum);
     scales[g] = m / 127.0f;
-    sums[g] = _mm512_reduce_add_epi32(sum);
+    code_bias[g] = -8 * total;
+    input_sums[g] = scales[g] * float(total);
   }
 }
 
 // NR rows x the 64 outputs of panel `p` into tmp[NR][64] (without out_scale and bias). Per input
 // quad: the quad nibbles (kernels.h) give four vectors of unsigned codes u = q + 8 with two ands
 // and a shift per 32 bytes, and each row's four int8 activations are broadcast to four VPDPBUSD.
-// Per group: (sum u x8 - 8 sum x8) is sum q x8 exactly; x activation scale x weight scale into tmp.
+// Per group: accumulators start at -8 sum x8, so they end at sum q x8 exactly; x activation scale x weight
+// scale into tmp (the epilogue runs per output vector, its scales and offsets widened once for all rows).
 template <int NR>
 void vnni_rows(const QuantizedRows& xq, int64_t row0, const PackedMatrix& w, int64_t p, float* tmp) {
   const bool offsets = !w.group_offsets.empty();
-  const int cols = w.cols, groups = cols / w.group_size, quads_per_group = w.group_size / 4;
+  const int cols = w.cols, groups = int(w.groups()), quads_per_group = w.group_size / 4;
   const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
-  const float* wscales = reinterpret_cast<const float*>(w.group_scales.data()) + p * groups * kPanel;
   const int8_t* x = xq.values.data() + row0 * cols;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   std::fill(tmp, tmp + NR * kPanel, 0.0f);
   for (int g = 0; g < groups; ++g) {
     __m512i acc[NR][4];
 #pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r)
+    for (int r = 0; r < NR; ++r) {
+      const __m512i start = _mm512_set1_epi32(xq.code_bias[(row0 + r) * groups + g]);
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) acc[r][v] = start;
+    }
     for (int kq = g * quads_per_group; kq < (g + 1) * quads_per_group; ++kq) {
       // No software prefetch: on AMD Zen 5 the hardware prefetcher alone streamed a decode step 7-25%
       // faster than with vec_math.h's prefetch_stream (alternated runs, Qwen2.5-1.5B int4), prefill the same.
@@ -101,21 +114,20 @@ void vnni_rows(const QuantizedRows& xq, int64_t row0, const PackedMatrix& w, int
         dpbusd(acc[r][3], w3, xb);
       }
     }
-    const float* s = wscales + int64_t(g) * kPanel;
+    const uint16_t* s = w.int4_scales(p, g);
     // Asymmetric groups: offset x the group's sum of the quantized inputs (scale x sum of codes).
-    const float* off = offsets ? w.group_offsets.data() + (p * groups + g) * kPanel : nullptr;
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const int64_t at = (row0 + r) * groups + g;
-      const __m512i bias = _mm512_set1_epi32(8 * xq.sums[at]);
-      const __m512 xs = _mm512_set1_ps(xq.scales[at]);
-      const __m512 input_sum = _mm512_set1_ps(xq.scales[at] * float(xq.sums[at]));
+    const uint16_t* off = offsets ? w.group_offsets.data() + w.group_at(p, g) : nullptr;
 #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const __m512 partial = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], bias)), xs);
+    for (int v = 0; v < 4; ++v) {
+      const __m512 scale = widen_bf16x16(s + 16 * v);
+      const __m512 offset = off ? widen_bf16x16(off + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const int64_t at = (row0 + r) * groups + g;
+        const __m512 partial = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(xq.scales[at]));
         float* out = tmp + r * kPanel + 16 * v;
-        __m512 total = _mm512_fmadd_ps(partial, _mm512_loadu_ps(s + 16 * v), _mm512_loadu_ps(out));
-        if (off) total = _mm512_fmadd_ps(input_sum, _mm512_loadu_ps(off + 16 * v), total);
+        __m512 total = _mm512_fmadd_ps(partial, scale, _mm512_loadu_ps(out));
+        if (off) total = _mm512_fmadd_ps(_mm512_set1_ps(xq.input_sums[at]), offset, total);
         _mm512_storeu_ps(out, total);
       }
     }
@@ -146,13 +158,12 @@ void linear_int4_int8(ThreadPool& pool, const float* x, int num_rows, const Pack
   if (!w.multiplies_in_int8() || w.group_size % 32) throw std::invalid_argument("matrix is not packed for int8 dots");
   if (input_scale != 1.0f || row_scales)  // int4 layers take their inputs as they are (weight-only recipes)
     throw std::invalid_argument("int4 layers take no input scale");
-  const int cols = w.cols, groups = cols / w.group_size;
-  QuantizedRows xq{AlignedVector<int8_t>(size_t(num_rows) * cols), std::vector<float>(size_t(num_rows) * groups),
-                   std::vector<int32_t>(size_t(num_rows) * groups)};
+  const int cols = w.cols, groups = int(w.groups());
+  QuantizedRows xq(num_rows, cols, groups);
   pool.parallel_for(num_rows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(x + r * cols, cols, w.group_size, xq.values.data() + r * cols, xq.scales.data() + r * groups,
-                   xq.sums.data() + r * groups);
+                   xq.code_bias.data() + r * groups, xq.input_sums.data() + r * groups);
   });
   const PanelWork work(num_rows, w.rows);
   pool.parallel_for(work.items(), [&](int64_t begin, int64_t end) {

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "bf16.h"
 #include "bf16_gemm.h"
 #include "int8_gemm.h"
 #include "quantize.h"
@@ -18,22 +19,6 @@
 
 namespace precast {
 namespace {
-
-// Float32 -> the nearest bf16 (ties to even), as a float: what the bf16 units take (bf16_gemm.cpp).
-inline float bf16_round(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 inline float f16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
@@ -122,10 +107,10 @@ float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
     code = at.high ? panel[at.byte] >> 4 : panel[at.byte] & 0xf;
     if (quad) code ^= 8;  // stored as q + 8
   }
-  const int64_t groups = m.cols / m.group_size, s = (p * groups + i / m.group_size) * kPanel + j;
+  const int64_t s = m.group_at(p, i / m.group_size) + j;
   if (m.dtype == WeightDtype::kNVFP4)
     return kE2m1Values[code] * load_scalar<WeightDtype::kFP8>(m.group_scales.data(), s);
-  return kInt4Values[code] * reinterpret_cast<const float*>(m.group_scales.data())[s];
+  return kInt4Values[code] * bf16_to_float(reinterpret_cast<const uint16_t*>(m.group_scales.data())[s]);
 }
 
 #ifdef PRECAST_AVX512
@@ -236,18 +221,18 @@ template <WeightDtype DT, int NR>
 inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatrix& w, int64_t p, int valid,
                               const float* bias, float* y, int64_t y_stride) {
   const uint8_t* panel = w.data.data() + size_t(p) * w.panel_bytes();
-  const int groups = w.cols / w.group_size;
+  const int groups = int(w.groups());
   const __m512 lut = _mm512_loadu_ps(DT == WeightDtype::kNVFP4 ? kE2m1Values : kInt4Values);
   __m512 acc[NR][4];
   zero<NR>(acc);
   for (int g = 0; g < groups; ++g) {
     __m512 s[4];
-    const int64_t s_off = (p * groups + g) * kPanel;
+    const int64_t s_off = w.group_at(p, g);
     for (int v = 0; v < 4; ++v) {
       if constexpr (DT == WeightDtype::kNVFP4)
         s[v] = load16<WeightDtype::kFP8>(w.group_scales.data(), s_off + v * 16);
       else
-        s[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(w.group_scales.data()) + s_off + v * 16);
+        s[v] = load16<WeightDtype::kBF16>(w.group_scales.data(), s_off + v * 16);
     }
     for (int i = g * w.group_size; i < (g + 1) * w.group_size; ++i) {
       const uint8_t* bytes = panel + int64_t(i) * (kPanel / 2);
@@ -404,10 +389,10 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
     return m;
   }
   m.group_size = w.group_size;
-  const int64_t groups = w.cols / w.group_size;
-  const size_t scale_bytes = w.dtype == WeightDtype::kNVFP4 ? 1 : 4;
-  m.group_scales.assign(size_t(panels * groups * kPanel) * scale_bytes, 0);
-  const uint8_t* scales = static_cast<const uint8_t*>(w.group_scales);
+  const int64_t groups = m.groups();
+  const bool int4 = w.dtype == WeightDtype::kINT4;
+  m.group_scales.assign(size_t(panels * groups * kPanel) * (int4 ? 2 : 1), 0);
+  uint16_t* int4_scales = reinterpret_cast<uint16_t*>(m.group_scales.data());
   const bool quad_nibbles = m.multiplies_in_int8();  // once, not per nibble
   for (int64_t o = 0; o < w.rows; ++o) {
     const int64_t p = o / kPanel, j = o % kPanel;
@@ -422,15 +407,18 @@ PackedMatrix PackedMatrix::pack(const WeightView& w, DotUnit unit) {
       else
         panel[at.byte] |= code;
     }
-    for (int64_t g = 0; g < groups; ++g)
-      std::memcpy(m.group_scales.data() + ((p * groups + g) * kPanel + j) * scale_bytes,
-                  scales + (o * groups + g) * scale_bytes, scale_bytes);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (int4)
+        int4_scales[m.group_at(p, g) + j] = bf16_bits(static_cast<const float*>(w.group_scales)[o * groups + g]);
+      else
+        m.group_scales[size_t(m.group_at(p, g) + j)] = static_cast<const uint8_t*>(w.group_scales)[o * groups + g];
+    }
   }
   if (w.group_offsets) {  // [panel][group][64] as the scales: a panel's offsets lie beside its weights
-    m.group_offsets.assign(size_t(panels * groups * kPanel), 0.0f);
+    m.group_offsets.assign(size_t(panels * groups * kPanel), 0);
     for (int64_t o = 0; o < w.rows; ++o)
       for (int64_t g = 0; g < groups; ++g)
-        m.group_offsets[size_t(((o / kPanel) * groups + g) * kPanel + o % kPanel)] = w.group_offsets[o * groups + g];
+        m.group_offsets[size_t(m.group_at(o / kPanel, g) + o % kPanel)] = bf16_bits(w.group_offsets[o * groups + g]);
   }
   // nvfp4 group scales are E4M3 read as value / 256; the global scale carries the 256.
   m.out_scale = w.dtype == WeightDtype::kNVFP4 ? w.scale * 256.0f : 1.0f;
@@ -441,7 +429,7 @@ namespace {
 // Asymmetric int4: y[r, o] += sum_g offset[o, g] * (sum of x[r] over group g), each row on its own in a fixed
 // order (batch invariance). Inputs are summed as the unit multiplies them: rounded to bf16 on a bf16 unit.
 void add_group_offsets(ThreadPool& pool, const float* x, int num_rows, const PackedMatrix& w, float* y) {
-  const int g = w.group_size, groups = w.cols / g;
+  const int g = w.group_size, groups = int(w.groups());
   std::vector<float> sums(size_t(num_rows) * groups);
   const bool bf16 = w.dot != DotUnit::kFloat32;
   auto group_sums = [&](int64_t begin, int64_t end) {
@@ -469,9 +457,9 @@ void add_group_offsets(ThreadPool& pool, const float* x, int num_rows, const Pac
       for (int64_t r = 0; r < num_rows; ++r) {
         std::fill(acc, acc + n, 0.0f);
         for (int k = 0; k < groups; ++k) {
-          const float* offsets = w.group_offsets.data() + (b * groups + k) * kPanel;
+          const uint16_t* offsets = w.group_offsets.data() + w.group_at(b, k);
           const float s = sums[size_t(r * groups + k)];
-          for (int64_t o = 0; o < n; ++o) acc[o] += offsets[o] * s;
+          for (int64_t o = 0; o < n; ++o) acc[o] += bf16_to_float(offsets[o]) * s;
         }
         float* yr = y + r * w.rows + o0;
         for (int64_t o = 0; o < n; ++o) yr[o] += acc[o];
@@ -549,7 +537,7 @@ void matrix_row(const PackedMatrix& w, int row, float* out) {
   for (int i = 0; i < w.cols; ++i) out[i] = packed_at(w, p, i, j) * w.out_scale;
   if (!w.group_offsets.empty())
     for (int i = 0; i < w.cols; ++i)
-      out[i] += w.group_offsets[size_t((p * (w.cols / w.group_size) + i / w.group_size) * kPanel + j)];
+      out[i] += bf16_to_float(w.group_offsets[size_t(w.group_at(p, i / w.group_size) + j)]);
 }
 
 void rms_norm(const float* x, const float* weight, int num_rows, int dim, float eps, float* y) {

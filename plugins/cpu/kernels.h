@@ -93,7 +93,11 @@ void check_weight_view(const std::string& name, const WeightView& w, size_t valu
 //
 // Quantized panels keep their stored bits. FP8 panels are 64 bytes per input element.
 // 4-bit panels are 32 bytes per input element, byte j holding outputs j (low nibble) and
-// j + 32 (high nibble), with the group scales in a second array [panel][group][64].
+// j + 32 (high nibble), with the group scales in a second array [panel][group][64] (group_at):
+// nvfp4's as E4M3 bytes, int4's as bf16, rounded from the stored float32 (quantize_int4 rounds
+// them before choosing the codes, so they are exact for engines built since; bf16 keeps
+// float32's range, and its 2^-9 relative step is far below a 4-bit code's). Halving int4's
+// group metadata is ~6% of a decode step's bytes with groups of 128.
 // E4M3 bytes widen exactly through float16 bits, ((b & 0x7f) << 7) | sign, which gives
 // the value / 256; the 256 is folded into `out_scale`.
 //
@@ -110,11 +114,11 @@ constexpr int kPanel = 64;
 
 struct PackedMatrix {
   AlignedVector<uint8_t> data;
-  AlignedVector<uint8_t> group_scales;  // 4-bit formats only
-  // Asymmetric int4: [panel][group][64] like the scales (from the stored [rows][groups]), read beside
-  // the panel's codes. The kernels multiply the codes; the offsets add sum over groups of offset x
-  // (the group's sum of inputs), their share of x . w (linear(), or the int8 kernel's epilogue).
-  std::vector<float> group_offsets;
+  AlignedVector<uint8_t> group_scales;  // 4-bit formats only (E4M3 bytes, or int4's bf16)
+  // Asymmetric int4: bf16 [panel][group][64] like the scales (from the stored [rows][groups]), read
+  // beside the panel's codes. The kernels multiply the codes; the offsets add sum over groups of offset
+  // x (the group's sum of inputs), their share of x . w (linear(), or the int8 kernel's epilogue).
+  AlignedVector<uint16_t> group_offsets;
   WeightDtype dtype = WeightDtype::kF32;
   int rows = 0;
   int cols = 0;
@@ -127,6 +131,14 @@ struct PackedMatrix {
   // allow it (multiplies_in_bf16), else float32.
   static PackedMatrix pack(const WeightView& w, DotUnit unit);
   size_t panel_bytes() const;  // bytes of one panel in `data`
+  // 4-bit formats: groups per row, and where panel p's group g starts in group_scales (counted in scales, not
+  // bytes) and in group_offsets: kPanel entries, one per output row of the panel.
+  int64_t groups() const { return cols / group_size; }
+  int64_t group_at(int64_t p, int64_t g) const { return (p * groups() + g) * kPanel; }
+  // int4: the bf16 scales of panel p's group g (kPanel of them).
+  const uint16_t* int4_scales(int64_t p, int64_t g) const {
+    return reinterpret_cast<const uint16_t*>(group_scales.data()) + group_at(p, g);
+  }
   // An int4 matrix packed for the int8 dot products (int8_gemm.h): panels in quad nibbles, codes as q + 8.
   bool multiplies_in_int8() const;
 };

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -129,8 +131,10 @@ __attribute__((optimize("fp-contract=off"))) void int4_round_trip_scaled(const f
         low = std::min(low, v[size_t(j)]);
         high = std::max(high, v[size_t(j)]);
       }
-      const float scale = asymmetric ? (high - low) / 15.0f : amax / 7.0f;
-      const float offset = asymmetric ? low + 8.0f * scale : 0.0f;
+      // bf16 values, as quantize_int4 stores them (the kernels hold scales and offsets in bf16)
+      const float unrounded = asymmetric ? (high - low) / 15.0f : amax / 7.0f;
+      const float scale = bf16_round(unrounded);
+      const float offset = asymmetric ? bf16_round(low + 8.0f * unrounded) : 0.0f;
       const float safe = scale > 0.0f ? scale : 1.0f;
       for (int j = 0; j < group_size; ++j) {
         const float centred = asymmetric ? v[size_t(j)] - offset : v[size_t(j)];
@@ -146,8 +150,9 @@ namespace {
 // Codes of a group for `scale` (as quantize_int4: rint(w / scale) clamped to [-8, 7]) and the weighted squared error of
 // their dequantization; with `refit`, the scale first moves to the one that minimises that error for these codes
 // (weighted least squares: sum(a w q) / sum(a q^2)) and the codes are taken again for it. `scale` returns the scale
-// used.
+// used, rounded to bf16 as quantize_int4 stores it.
 float int4_group_error(const float* w, const float* a, int n, float& scale, bool refit) {
+  scale = bf16_round(scale);
 #if defined(__AVX512F__)
   if (n % 16 == 0) {
     const __m512 lo = _mm512_set1_ps(-8.0f), hi = _mm512_set1_ps(7.0f);
@@ -165,7 +170,7 @@ float int4_group_error(const float* w, const float* a, int n, float& scale, bool
       }
       const float sum_wq = _mm512_reduce_add_ps(wq), sum_qq = _mm512_reduce_add_ps(qq);
       if (!(sum_qq > 0.0f) || !(sum_wq > 0.0f)) return INFINITY;
-      scale = sum_wq / sum_qq;
+      scale = bf16_round(sum_wq / sum_qq);
     }
     const __m512 s = _mm512_set1_ps(scale);
     __m512 err = _mm512_setzero_ps();
@@ -184,7 +189,7 @@ float int4_group_error(const float* w, const float* a, int n, float& scale, bool
       qq += a[j] * q * q;
     }
     if (!(qq > 0.0f) || !(wq > 0.0f)) return INFINITY;  // no weight on any nonzero code: keep the plain scale
-    scale = wq / qq;
+    scale = bf16_round(wq / qq);
   }
   float err = 0.0f;
   for (int j = 0; j < n; ++j) {
@@ -247,7 +252,9 @@ inline __m512 asym_codes16(__m512 x, __m512 scale, __m512 offset) {
 // Asymmetric codes clamp(rint((w - offset) / scale), -8, 7) of a group and the weighted squared error of their
 // dequantization scale q + offset; with `refit`, (scale, offset) first move to the weighted least-squares fit for these
 // codes and the codes are taken again for it. Returns INFINITY where the fit is degenerate (one code, no weight).
+// Scale and offset are rounded to bf16 first, as quantize_int4 stores them.
 float int4_group_error_asym(const float* w, const float* a, int n, float& scale, float& offset, bool refit) {
+  scale = bf16_round(scale), offset = bf16_round(offset);
   auto code = [](float x, float s, float m) { return std::clamp(std::nearbyint((x - m) / s), -8.0f, 7.0f); };
   if (refit) {
     // Normal equations of min sum a (w - s q - m)^2: [Sqq Sq; Sq S1] [s; m] = [Swq; Sw].
@@ -280,7 +287,7 @@ float int4_group_error_asym(const float* w, const float* a, int n, float& scale,
     if (!(det > 1e-12 * sqq * s1)) return INFINITY;
     const double s = (s1 * swq - sq * sw) / det, m = (sqq * sw - sq * swq) / det;
     if (!(s > 0) || !std::isfinite(m)) return INFINITY;
-    scale = float(s), offset = float(m);
+    scale = bf16_round(float(s)), offset = bf16_round(float(m));
   }
   float err = 0.0f;
 #if defined(__AVX512F__)
@@ -312,6 +319,7 @@ void int4_search_scales_offsets(const float* w, const float* importance, int64_t
                    if (best_scale > 0.0f) {
                      float s = best_scale, m = best_offset;
                      float best_err = int4_group_error_asym(wg, ag, group_size, s, m, false);
+                     best_scale = s, best_offset = m;  // as evaluated: bf16 values
                      for (int k = 0; k <= kInt4AsymSteps; ++k) {
                        const float step = best_scale * (1.0f - 0.5f * float(k) / float(kInt4AsymSteps));
                        // the grid's code -8 at the min, code 7 at the max, or its middle (code -0.5) at the middle

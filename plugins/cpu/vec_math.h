@@ -17,6 +17,12 @@ inline __mmask16 first_lanes(int n) {
   return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
+// 16 bf16 values (int4 group scales and offsets) widened to float32: exact, a shift.
+inline __m512 widen_bf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Weights streamed once from DRAM (a decode step) leave the loop waiting on memory with the
 // hardware prefetcher alone: it keeps too few lines in flight. Called once per 64-byte line read
 // at `line`: one prefetch into L1 `ahead` bytes on and one into L2 four times as far. The

@@ -9,9 +9,11 @@ so stored values match every other implementation bit for bit.
            one float32 global scale per tensor:            w ~ q * block_scale * global
            global = amax / (6 * 448), block_scale = block_amax / (6 * global) (stored as E4M3)
   int4     signed 4-bit integers in [-8, 7], packed two per byte (low nibble first), one
-           float32 scale per group of `group_size` inputs:   w ~ q * scale, scale = group_amax / 7
-           asymmetric: also a float32 offset per group (the value of code 0; Q4_1's and Q4_K's "min" in another
+           scale per group of `group_size` inputs:   w ~ q * scale, scale = group_amax / 7
+           asymmetric: also an offset per group (the value of code 0; Q4_1's and Q4_K's "min" in another
            guise):   w ~ q * scale + offset, scale = (max - min) / 15, offset = min + 8 * scale
+           Scales and offsets are stored as float32 holding bf16 values (rounded before the codes are chosen):
+           the CPU kernels keep them in bf16, half the bytes a decode step reads beside the codes.
 
 Activations (the inputs of quantized linear layers) are quantized at run time by the C++
 runner (plugins/cpu/quantize.h); `fake_quant_*_activation` below are the definitions it is
@@ -115,9 +117,9 @@ def quantize_nvfp4(w: np.ndarray, amax: float | None = None, block_scales: np.nd
 @dataclass(frozen=True)
 class Int4Tensor:
     packed: np.ndarray  # uint8 [out, in / 2]: two's-complement nibbles, low nibble first
-    scales: np.ndarray  # float32 [out, in / group_size]
+    scales: np.ndarray  # float32 [out, in / group_size], bf16 values
     group_size: int
-    offsets: np.ndarray | None = None  # float32 [out, in / group_size]: asymmetric groups only
+    offsets: np.ndarray | None = None  # float32 [out, in / group_size], bf16 values: asymmetric groups only
 
     def dequantize(self) -> np.ndarray:
         w = unpack_int4(self.packed).astype(np.float32) * np.repeat(self.scales, self.group_size, axis=1)
@@ -133,8 +135,9 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 
 def default_group_size(cols: int) -> int:
-    """The largest of 128, 64, 32 that divides the input size."""
-    for g in (128, 64, 32):
+    """64, or 32 where 64 does not divide the input size. Groups of 64 with bf16 scales and offsets cost the same
+    4.5 bits a weight as groups of 128 with float32 ones did and halve the loss (benchmarks/README.md, --dither)."""
+    for g in (64, 32):
         if cols % g == 0:
             return g
     raise ValueError(f"int4 groups need an input dimension divisible by 32, got {cols}")
@@ -149,7 +152,8 @@ def quantize_int4(
 ) -> Int4Tensor:
     """Codes rint((w - offset) / scale) clamped to [-8, 7]. Symmetric: offset 0, scale = max|group| / 7. Asymmetric:
     scale = (max - min) / 15 and offset = min + 8 * scale, so that the group's min and max are codes -8 and 7. `scales`
-    (and, asymmetric, `offsets`) [rows, groups] replace the plain ones (int4_awq's scale search, quantization/awq.py)."""
+    (and, asymmetric, `offsets`) [rows, groups] replace the plain ones (int4_awq's scale search, quantization/awq.py).
+    Scales and offsets are rounded to bf16 values first (the CPU kernels' storage), so the codes fit them."""
     w = np.asarray(w, dtype=np.float32)
     rows, cols = w.shape
     g = group_size or default_group_size(cols)
@@ -168,13 +172,19 @@ def quantize_int4(
     for name, given in (("scales", scales), ("offsets", offsets)):
         if given is not None and given.shape != (rows, cols // g):
             raise ValueError(f"int4 {name} must be [{rows}, {cols // g}], got {list(given.shape)}")
-    scales = np.asarray(scales, dtype=np.float32)
+    scales = bf16_values(scales)
+    offsets = None if offsets is None else bf16_values(offsets)
     safe = np.where(scales > 0, scales, 1.0)[:, :, None]
-    centred = groups if offsets is None else groups - np.asarray(offsets, dtype=np.float32)[:, :, None]
+    centred = groups if offsets is None else groups - offsets[:, :, None]
     q = np.clip(np.rint(centred / safe), -8, INT4_MAX).astype(np.int8).reshape(rows, cols)
     nib = (q & 0x0F).astype(np.uint8)
     packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
-    return Int4Tensor(packed, scales, g, None if offsets is None else np.asarray(offsets, dtype=np.float32))
+    return Int4Tensor(packed, scales, g, offsets)
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    """float32 `a` rounded to the nearest bf16 values (ties to even), as float32."""
+    return np.asarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def fake_quant_fp8_activation(x: np.ndarray, scale: float) -> np.ndarray:

@@ -253,8 +253,9 @@ class Nvfp4Layer(LayerQuant):
 
 @dataclass(frozen=True)
 class Int4Layer(LayerQuant):
-    """Signed 4-bit weights packed two per byte, a float32 scale per group of inputs and, `asymmetric`, a float32
-    offset per group (`{layer}.weight_offset`: w ~ q * scale + offset); inputs stay in the engine dtype (weight-only,
+    """Signed 4-bit weights packed two per byte, a scale per group of inputs and, `asymmetric`, an offset per group
+    (`{layer}.weight_offset`: w ~ q * scale + offset), both float32 tensors holding bf16 values (formats.quantize_int4;
+    engines built before that are rounded to bf16 when the CPU runner loads them); inputs stay in the engine dtype (weight-only,
     W4A16). `awq`: activation-aware scales were folded in; `scale_search`: the group scales (and offsets) were
     searched (quantization/awq.py) instead of taken from the group's extremes."""
 

@@ -8,6 +8,7 @@ import pytest
 
 from precast.engine.formats import (
     FP8_MAX,
+    bf16_values,
     default_group_size,
     pack_fp4,
     quantize_fp8,
@@ -64,12 +65,27 @@ def test_nvfp4_refuses_non_multiple_of_16():
 
 
 def test_int4_groups():
-    assert default_group_size(576) == 64 and default_group_size(1536) == 128 and default_group_size(96) == 32
+    assert default_group_size(576) == 64 and default_group_size(1536) == 64 and default_group_size(96) == 32
     t = quantize_int4(W)
     assert t.group_size == 32 and t.scales.shape == (64, 3)
     q = np.rint(W.reshape(64, 3, 32) / t.scales[:, :, None]).clip(-8, 7)
     np.testing.assert_allclose(t.dequantize(), (q * t.scales[:, :, None]).reshape(64, 96), rtol=0, atol=0)
     assert np.abs(t.dequantize() - W).max() <= t.scales.max() / 2 + 1e-7
+
+
+def test_int4_scales_and_offsets_are_bf16_values():
+    """The CPU kernels keep group scales and offsets in bf16, so the quantizer rounds them first and picks the
+    codes for the rounded values: searched scales too."""
+    for t in (quantize_int4(W), quantize_int4(W + 0.5, 32, asymmetric=True)):
+        for a in (t.scales, t.offsets):
+            if a is not None:
+                assert a.dtype == np.float32
+                np.testing.assert_array_equal(a, bf16_values(a))
+    given = np.full((64, 3), 0.0123456, np.float32)
+    t = quantize_int4(W, 32, given, asymmetric=True, offsets=np.full((64, 3), 0.001, np.float32))
+    assert t.scales[0, 0] == bf16_values(given)[0, 0] != given[0, 0]
+    q = np.rint((W.reshape(64, 3, 32) - t.offsets[:, :, None]) / t.scales[:, :, None]).clip(-8, 7)
+    np.testing.assert_array_equal(unpack_int4(t.packed).reshape(64, 3, 32), q)
 
 
 def test_asymmetric_int4_groups_span_their_min_and_max():
@@ -79,8 +95,9 @@ def test_asymmetric_int4_groups_span_their_min_and_max():
     w[1, :32] = 0.25
     t = quantize_int4(w, 32, asymmetric=True)
     groups = w.reshape(64, 3, 32)
-    np.testing.assert_allclose(t.scales, (groups.max(2) - groups.min(2)) / 15, rtol=1e-6)
-    np.testing.assert_allclose(t.offsets, groups.min(2) + 8 * t.scales, rtol=1e-6, atol=1e-7)
+    scales = (groups.max(2) - groups.min(2)) / np.float32(15)
+    np.testing.assert_array_equal(t.scales, bf16_values(scales))  # rounded to bf16, and the codes chosen for them
+    np.testing.assert_array_equal(t.offsets, bf16_values(groups.min(2) + np.float32(8) * scales))
     codes, spread = unpack_int4(t.packed).reshape(64, 3, 32), t.scales[:, :, None] > 0
     assert (codes[(groups == groups.min(2, keepdims=True)) & spread] == -8).all()
     assert (codes[(groups == groups.max(2, keepdims=True)) & spread] == 7).all()

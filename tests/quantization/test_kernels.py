@@ -9,6 +9,8 @@ import pytest
 
 from precast import _C
 from precast.engine.formats import (
+    Int4Tensor,
+    bf16_values,
     fake_quant_fp8_activation,
     fake_quant_nvfp4_activation,
     quantize_fp8,
@@ -117,6 +119,24 @@ def test_quantized_linear_matches_dequantized_matmul(fmt, rows, cols, group, dot
         x = RNG.standard_normal((num_rows, cols)).astype(np.float32)
         y = _C.linear(x, dtype, rows, cols, values, scales, group_size, scale, num_threads=2, dot=dot, group_offsets=offsets)
         reference = _expected_quantized(fmt, x, dequantized, group, dot)
+        np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("dot", DOT_UNITS)
+def test_int4_group_scales_and_offsets_are_held_in_bf16(dot):
+    """Scales and offsets that are not bf16 values (engines built before the quantizer rounded them) are rounded to
+    the nearest bf16 when packed: the result is the matmul with the rounded ones."""
+    rows, cols, group = 96, 128, 32
+    w = (RNG.standard_normal((rows, cols)) * 0.1 + 0.05).astype(np.float32)
+    qi = quantize_int4(w, group, asymmetric=True)
+    scales = (qi.scales * (1 + RNG.uniform(-3e-3, 3e-3, qi.scales.shape))).astype(np.float32)
+    offsets = (qi.offsets * (1 + RNG.uniform(-3e-3, 3e-3, qi.offsets.shape))).astype(np.float32)
+    assert (scales != bf16_values(scales)).any() and (offsets != bf16_values(offsets)).any()
+    held = Int4Tensor(qi.packed, bf16_values(scales), group, bf16_values(offsets)).dequantize()
+    for num_rows in (1, 7):
+        x = RNG.standard_normal((num_rows, cols)).astype(np.float32)
+        y = _C.linear(x, _C.WeightDtype.INT4, rows, cols, qi.packed, scales, group, 1.0, num_threads=2, dot=dot, group_offsets=offsets)
+        reference = _expected_quantized("int4_asym", x, held, group, dot)
         np.testing.assert_allclose(y, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
 
 

@@ -43,10 +43,10 @@ def test_lm_head_option_quantizes_the_tied_embedding_or_the_head():
     assert "lm_head" in plan_layers(spec(tied=False), QuantOptions(recipe="nvfp4", quantize_lm_head=True))
 
 
-def test_int4_group_defaults_to_largest_dividing_size():
+def test_int4_group_defaults_to_64_or_32():
     plan = plan_layers(spec(), QuantOptions(recipe="int4_awq"))
-    assert plan["layers.0.attn.qkv"].group_size == 64  # 576 = 64 x 9, not a multiple of 128
-    assert plan["layers.0.mlp.down"].group_size == 128  # 1536
+    assert plan["layers.0.attn.qkv"].group_size == 64  # 576 = 64 x 9
+    assert plan["layers.0.mlp.down"].group_size == 64  # 1536
     assert plan_layers(spec(), QuantOptions(recipe="int4_awq", group_size=32))["layers.0.mlp.down"].group_size == 32
     # asymmetric groups (a scale and an offset each) unless asked for symmetric ones
     assert all(p.asymmetric for p in plan_layers(spec(), QuantOptions(recipe="int4_awq")).values())
