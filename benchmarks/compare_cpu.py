@@ -121,11 +121,13 @@ def cell(values: list[float], digits: int = 1) -> str:
 # ---------------------------------------------------------------------------------------- precast
 def precast_streamed_bytes(engine: Path) -> int:
     """The weights a decode step reads: the whole weights file, less the embedding table where the LM head is a tensor
-    of its own (a token reads one row of the table)."""
+    of its own (a token reads one row of the table), and less half of int4's group scales and offsets, which the file
+    stores as float32 and the CPU runner holds in bf16 (plugins/cpu/kernels.h)."""
     from precast.engine.safetensors_file import SafetensorsFile
 
     tensors = SafetensorsFile(engine / "weights.safetensors").tensors
     total = (engine / "weights.safetensors").stat().st_size
+    total -= sum(t.nbytes // 2 for n, t in tensors.items() if n.endswith((".weight_scale", ".weight_offset")) and t.dtype == "F32")
     return total - tensors["embed.weight"].nbytes if "lm_head.weight" in tensors and "embed.weight" in tensors else total
 
 

@@ -52,3 +52,17 @@ def test_streamed_bytes_leave_out_an_embedding_table_the_head_does_not_share(tmp
         writer.write_tensors_to_file()
         writer.close()
         assert gguf_streamed_bytes(path) == path.stat().st_size - (embed.nbytes if untied else 0)
+
+
+def test_streamed_bytes_count_int4_group_scales_and_offsets_as_bf16(tmp_path):
+    """int4 group scales and offsets are float32 in the file and bf16 in the CPU runner's panels."""
+    import numpy as np
+    from compare_cpu import precast_streamed_bytes
+    from safetensors.numpy import save_file
+
+    codes, pairs = np.zeros((16, 32), np.uint8), np.zeros((16, 1), np.float32)
+    tensors = {"embed.weight": np.zeros((64, 16), np.float32), "layers.0.mlp.down.weight": codes}
+    save_file(
+        tensors | {"layers.0.mlp.down.weight_scale": pairs, "layers.0.mlp.down.weight_offset": pairs}, tmp_path / "weights.safetensors"
+    )
+    assert precast_streamed_bytes(tmp_path) == (tmp_path / "weights.safetensors").stat().st_size - pairs.nbytes
