@@ -136,7 +136,7 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 def default_group_size(cols: int) -> int:
     """64, or 32 where 64 does not divide the input size. Groups of 64 with bf16 scales and offsets cost the same
-    4.5 bits a weight as groups of 128 with float32 ones did and halve the loss (benchmarks/README.md, --dither)."""
+    4.5 bits a weight as groups of 128 with float32 ones did, for a third less loss (benchmarks/README.md, --dither)."""
     for g in (64, 32):
         if cols % g == 0:
             return g
