@@ -107,10 +107,10 @@ float packed_at(const PackedMatrix& m, int64_t p, int64_t i, int j) {
     code = at.high ? panel[at.byte] >> 4 : panel[at.byte] & 0xf;
     if (quad) code ^= 8;  // stored as q + 8
   }
-  const int64_t s = m.group_at(p, i / m.group_size) + j;
   if (m.dtype == WeightDtype::kNVFP4)
-    return kE2m1Values[code] * load_scalar<WeightDtype::kFP8>(m.group_scales.data(), s);
-  return kInt4Values[code] * bf16_to_float(reinterpret_cast<const uint16_t*>(m.group_scales.data())[s]);
+    return kE2m1Values[code] *
+           load_scalar<WeightDtype::kFP8>(m.group_scales.data(), m.group_at(p, i / m.group_size) + j);
+  return kInt4Values[code] * bf16_to_float(m.int4_scales(p, i / m.group_size)[j]);
 }
 
 #ifdef PRECAST_AVX512
@@ -121,9 +121,9 @@ inline __m512 load16(const void* base, int64_t i) {
   } else if constexpr (DT == WeightDtype::kFP8) {
     return e4m3x16_div256(static_cast<const uint8_t*>(base) + i);
   } else {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-    if constexpr (DT == WeightDtype::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
+    const uint16_t* p = static_cast<const uint16_t*>(base) + i;
+    if constexpr (DT == WeightDtype::kBF16) return widen_bf16x16(p);
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 }
 
@@ -232,7 +232,7 @@ inline void panel_kernel_4bit(const float* x, int64_t x_stride, const PackedMatr
       if constexpr (DT == WeightDtype::kNVFP4)
         s[v] = load16<WeightDtype::kFP8>(w.group_scales.data(), s_off + v * 16);
       else
-        s[v] = load16<WeightDtype::kBF16>(w.group_scales.data(), s_off + v * 16);
+        s[v] = widen_bf16x16(w.int4_scales(p, g) + v * 16);
     }
     for (int i = g * w.group_size; i < (g + 1) * w.group_size; ++i) {
       const uint8_t* bytes = panel + int64_t(i) * (kPanel / 2);
